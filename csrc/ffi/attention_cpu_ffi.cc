@@ -1,0 +1,144 @@
+// XLA FFI handler of the fused CPU attention: checks the buffers XLA hands
+// over, fills fastattn::AttentionParams and calls the kernel.
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <string>
+
+#include "ffi/handlers.h"
+#include "kernels/cpu/attention_cpu.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// All options of one call, decoded from the custom call's attribute
+// dictionary (fastattn_jax/backends.py: fused_call).
+struct AttentionAttrs {
+  float scale;
+  float softcap;
+  int64_t is_causal;
+  int64_t window_left;
+  int64_t window_right;
+};
+
+}  // namespace
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(AttentionAttrs,
+                                      StructMember<float>("scale"),
+                                      StructMember<float>("softcap"),
+                                      StructMember<int64_t>("is_causal"),
+                                      StructMember<int64_t>("window_left"),
+                                      StructMember<int64_t>("window_right"));
+
+namespace {
+
+bool ToElementType(ffi::DataType dtype, fastattn::ElementType* out) {
+  switch (dtype) {
+    case ffi::DataType::F32: *out = fastattn::ElementType::kF32; return true;
+    case ffi::DataType::F16: *out = fastattn::ElementType::kF16; return true;
+    case ffi::DataType::BF16: *out = fastattn::ElementType::kBF16; return true;
+    default: return false;
+  }
+}
+
+std::string DimsString(ffi::Span<const int64_t> dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + ")";
+}
+
+// Element strides that broadcast a 4-D (b, n, t, s) operand to `full`, or an
+// error if a dim is neither 1 nor the full size.
+ffi::Error BroadcastStrides(const char* name, ffi::Span<const int64_t> dims,
+                            const int64_t full[4], int64_t strides[4]) {
+  if (dims.size() != 4) {
+    return ffi::Error::InvalidArgument(std::string(name) + " must be 4-D, got " +
+                                       DimsString(dims));
+  }
+  int64_t stride = 1;
+  for (int d = 3; d >= 0; --d) {
+    if (dims[d] != 1 && dims[d] != full[d]) {
+      return ffi::Error::InvalidArgument(std::string(name) + " of shape " + DimsString(dims) +
+                                         " does not broadcast to (B, N, T, S)");
+    }
+    strides[d] = dims[d] == 1 ? 0 : stride;
+    stride *= dims[d];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
+                                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::ResultBuffer<ffi::F32> lse, AttentionAttrs attrs) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("query, key and value must be 4-D");
+  }
+  fastattn::AttentionParams p;
+  p.B = qd[0], p.T = qd[1], p.N = qd[2], p.H = qd[3];
+  p.S = kd[1], p.K = kd[2];
+  if (kd[0] != p.B || kd[3] != p.H || p.K == 0 || p.N % p.K != 0 ||
+      !std::equal(vd.begin(), vd.end(), kd.begin())) {
+    return ffi::Error::InvalidArgument("query " + DimsString(qd) + " and key " + DimsString(kd) +
+                                       " do not fit (B, T, N, H) x (B, S, K, H)");
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+      q.element_type() != out->element_type() || !ToElementType(q.element_type(), &p.dtype)) {
+    return ffi::Error::InvalidArgument("query, key, value and out must share one of F32, F16, BF16");
+  }
+  p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+
+  const int64_t full[4] = {p.B, p.N, p.T, p.S};
+  if (bias.element_count() > 0) {
+    if (!ToElementType(bias.element_type(), &p.bias_dtype)) {
+      return ffi::Error::InvalidArgument("bias must be F32, F16 or BF16");
+    }
+    if (auto err = BroadcastStrides("bias", bias.dimensions(), full, p.bias_strides);
+        err.failure()) {
+      return err;
+    }
+    p.bias = bias.untyped_data();
+  }
+  if (mask.element_count() > 0) {
+    if (auto err = BroadcastStrides("mask", mask.dimensions(), full, p.mask_strides);
+        err.failure()) {
+      return err;
+    }
+    p.mask = mask.typed_data();
+  }
+  for (auto [lens, dst, name] : {std::tuple{&q_lens, &p.q_lens, "query_seq_lengths"},
+                                 std::tuple{&kv_lens, &p.kv_lens, "key_value_seq_lengths"}}) {
+    if (lens->element_count() == 0) continue;
+    if (lens->element_count() != p.B) {
+      return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,)");
+    }
+    *dst = lens->typed_data();
+  }
+  p.scale = attrs.scale;
+  p.softcap = attrs.softcap;
+  p.causal = attrs.is_causal != 0;
+  p.window_left = attrs.window_left;
+  p.window_right = attrs.window_right;
+  fastattn::attention_forward_cpu(p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCpu, AttentionForwardCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // query
+                                  .Arg<ffi::AnyBuffer>()            // key
+                                  .Arg<ffi::AnyBuffer>()            // value
+                                  .Arg<ffi::AnyBuffer>()            // bias or empty
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // mask or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // query lengths or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // key lengths or empty
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // lse
+                                  .Attrs<AttentionAttrs>());

@@ -1,0 +1,172 @@
+"""``fast_attention``: a drop-in for ``jax.nn.dot_product_attention``."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import backends, primitive, shapes
+from fastattn_jax.reference import attention_reference
+from fastattn_jax.shapes import AttentionConfig
+
+
+def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                   is_causal=False, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None,
+                   logits_soft_cap=None, return_residual=False,
+                   implementation=None):
+  r"""Scaled dot-product attention, fused: a drop-in for ``jax.nn.dot_product_attention``.
+
+  Computes, per batch b and query head n (reading key/value head
+  ``n // (N // K)``)::
+
+    logits = scale * Q K^T              (float32 accumulation)
+    logits = c * tanh(logits / c)       if logits_soft_cap = c
+    logits = logits + bias              if bias is given
+    out    = softmax(logits over the visible keys) V
+
+  without ever forming the T x S logits: the fused paths follow FastAttention
+  (Lin et al., "FastAttention: Extend FlashAttention2 to NPUs and Low-resource
+  GPUs for Efficient Inference", 2024): two-level tiling (Br x Bc tiles for
+  the matrix products, Bb-row slices for the online-softmax update,
+  FlashAttention-2's Algorithm 1) and the tiling-mask (causal, window and
+  length masks computed per tile from indices; fully masked tiles skipped).
+
+  Args:
+    query: (B, T, N, H) or (T, N, H); float32, float16, bfloat16 (or float64,
+      served by the reference math).
+    key: (B, S, K, H) or (S, K, H), query's dtype; N must be a multiple of K
+      (K = N: multi-head, 1 < K < N: grouped-query, K = 1: multi-query).
+    value: key's shape and dtype.
+    bias: optional additive bias, any floating dtype, broadcastable to
+      (B, N, T, S) (missing leading dims are added, as in jax.nn).
+    mask: optional bool array broadcastable to (B, N, T, S); True = attend.
+    scale: static float multiplying ``Q K^T``; default ``1 / sqrt(H)``.
+    is_causal: key j is visible to query i only if ``j <= i``.
+    query_seq_lengths: optional (B,) integer array: rows ``i >= length`` are
+      padding and return zeros.
+    key_value_seq_lengths: optional (B,) integer array: keys ``j >= length``
+      are never read.
+    local_window_size: ``w`` or ``(left, right)``, static ints >= 0: key j is
+      visible to query i only if ``i - left <= j <= i + right``.
+    logits_soft_cap: optional static float c > 0, applied to the scaled
+      logits before the bias and the masks.
+    return_residual: also return the log-sum-exp of the visible logits.
+    implementation: None (the best path for the platform: "cpu" on CPUs, else
+      "xla"), "xla" (plain JAX, materializes T x S), "cpu" (the fused CPU
+      kernel) or "cudnn" (delegates to ``jax.nn.dot_product_attention``).
+
+  Returns:
+    out, query's shape and dtype; with ``return_residual`` also the LSE, shape
+    (B, T, N) or (T, N), float32 (float64 for float64 inputs). A query row
+    with no visible key (all masked, or padding) gives out = 0 and LSE = -inf,
+    never NaN; jax.nn's XLA path gives the mean of the values there instead.
+
+  Raises:
+    ValueError: on shapes that do not fit (named with their shapes), negative
+      window sizes, non-positive soft caps, an unknown implementation or one
+      that cannot run on the current platform.
+    TypeError: on dtypes that do not fit, or traced values where static ones
+      are needed (scale, local_window_size, logits_soft_cap).
+
+  Differentiable (``jax.grad``): the backward pass recomputes attention with
+  the reference math. Works under jit, vmap, scan, checkpoint and with inputs
+  sharded along batch or heads.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  out_shape = query.shape
+  to_4d = lambda x: x if x is None else jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
+  q, k, v = (to_4d(x) if x.ndim <= 4 else x for x in (query, key, value))
+  dims = shapes.check_qkv(q, k, v)
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.ndim > 4:
+      shapes.check_broadcast_operand("bias", bias, dims)
+    bias = to_4d(bias)
+    shapes.check_broadcast_operand("bias", bias, dims)
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.ndim > 4:
+      shapes.check_broadcast_operand("mask", mask, dims)
+    mask = to_4d(mask)
+    shapes.check_broadcast_operand("mask", mask, dims)
+  q_lens = _seq_lengths("query_seq_lengths", query_seq_lengths, dims)
+  kv_lens = _seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims)
+  config = AttentionConfig(
+      scale=(1.0 / np.sqrt(dims.H) if scale is None
+             else shapes.static_float("scale", scale)),
+      is_causal=bool(is_causal),
+      window=shapes.normalize_window(local_window_size),
+      softcap=(None if logits_soft_cap is None else
+               shapes.static_float("logits_soft_cap", logits_soft_cap,
+                                   positive=True)),
+      has_bias=bias is not None, has_mask=mask is not None,
+      has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
+      implementation=_choose_path(implementation, q.dtype))
+
+  if config.implementation == "cudnn":
+    if config.softcap is not None:
+      raise ValueError("implementation='cudnn' does not support logits_soft_cap")
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=config.scale, is_causal=is_causal,
+        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+        local_window_size=config.window, implementation="cudnn",
+        return_residual=return_residual)
+  if config.implementation == "xla":
+    out, lse = attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
+  else:
+    if bias is not None and bias.dtype == jnp.float64 and q.dtype != jnp.float64:
+      bias = bias.astype(jnp.float32)
+    out, lse = _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
+  out = out.reshape(out_shape)
+  return (out, lse.reshape(out_shape[:-1])) if return_residual else out
+
+
+def _seq_lengths(name, lengths, dims):
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array of shape (B,), got {lengths.dtype}")
+  lengths = lengths.astype(jnp.int32)
+  shapes.check_seq_lengths(name, lengths, dims)
+  return lengths
+
+
+def _choose_path(implementation, dtype) -> str:
+  """Checks ``implementation``; returns it, or "auto" for None."""
+  if implementation is None:
+    return "auto"
+  backends.resolve_implementation(implementation)  # raises if unknown
+  if implementation in backends.FUSED_PATHS and dtype == jnp.float64:
+    raise TypeError(
+        f"implementation={implementation!r} computes in float32, float16 or "
+        f"bfloat16, got float64 inputs; use implementation=None or 'xla'")
+  return implementation
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(config, q, k, v, bias, mask, q_lens, kv_lens):
+  """The fused path; float64 inputs take the reference math under the same VJP."""
+  if q.dtype == jnp.float64:
+    return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
+  operands = [x for x in (q, k, v, bias, mask, q_lens, kv_lens) if x is not None]
+  return primitive.bind(config, *operands)
+
+
+def _fused_fwd(config, *args):
+  return _fused(config, *args), args
+
+
+def _fused_bwd(config, args, cotangents):
+  q, k, v, bias, mask, q_lens, kv_lens = args
+  forward = lambda q, k, v, bias: attention_reference(
+      config, q, k, v, bias, mask, q_lens, kv_lens)
+  _, vjp = jax.vjp(forward, q, k, v, bias)
+  return (*vjp(cotangents), None, None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

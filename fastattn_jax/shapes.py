@@ -1,0 +1,204 @@
+"""Argument checking and shape rules for attention, shared by every path.
+
+Everything here works on anything with ``.shape`` and ``.dtype`` (concrete
+arrays, tracers, ``jax.core.ShapedArray``), so the rules run at trace time and
+are unit-tested on abstract values. Letters follow
+``jax.nn.dot_product_attention``: B batch, T query length, S key/value length,
+N query heads, K key/value heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import jax.numpy as jnp
+
+#: Element types the fused kernels compute in (float32 accumulation).
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+#: Element types any path accepts; float64 is served by the reference math.
+SUPPORTED_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Static (hashable) options of one attention call.
+
+  Attributes:
+    scale: multiplies ``q . k``.
+    is_causal: key j is visible to query i only if j <= i (top-left aligned,
+      as in ``jax.nn.dot_product_attention``).
+    window: ``(left, right)``: key j visible to query i only if
+      ``i - left <= j <= i + right``; None for no window.
+    softcap: ``c`` in ``c * tanh(logits / c)`` or None.
+    has_bias, has_mask, has_q_lens, has_kv_lens: which optional operands follow
+      query, key and value, in that order.
+    implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
+  """
+
+  scale: float
+  is_causal: bool = False
+  window: tuple[int, int] | None = None
+  softcap: float | None = None
+  has_bias: bool = False
+  has_mask: bool = False
+  has_q_lens: bool = False
+  has_kv_lens: bool = False
+  implementation: str = "auto"
+
+  def split_operands(self, operands):
+    """Splits ``(q, k, v, *present optionals)`` into a 7-tuple with Nones."""
+    q, k, v, *rest = operands
+    rest = iter(rest)
+    take = lambda present: next(rest) if present else None
+    return (q, k, v, take(self.has_bias), take(self.has_mask),
+            take(self.has_q_lens), take(self.has_kv_lens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(int(d) for d in x.shape)
+
+
+def check_qkv(query, key, value) -> Dims:
+  """Checks 4-D query (B,T,N,H), key and value (B,S,K,H); returns the dims.
+
+  Raises:
+    ValueError: on wrong ranks, mismatched shapes, N not a multiple of K.
+    TypeError: on dtypes that differ or are not floating point.
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 4:
+      raise ValueError(
+          f"{name} must have shape (B, T|S, N|K, H) or (T|S, N|K, H), got "
+          f"shape {_shape(x)}")
+  B, T, N, H = _shape(query)
+  Bk, S, K, Hk = _shape(key)
+  if _shape(value) != _shape(key):
+    raise ValueError(
+        f"value must have the shape of key (B, S, K, H) = {_shape(key)}, got "
+        f"{_shape(value)}")
+  if Bk != B or Hk != H:
+    raise ValueError(
+        f"query (B, T, N, H) = {_shape(query)} and key (B, S, K, H) = "
+        f"{_shape(key)} must agree in B and H")
+  if K == 0 or N % K != 0:
+    raise ValueError(
+        f"the number of query heads N must be a multiple of the key/value "
+        f"heads K, got N={N} (query {_shape(query)}) and K={K} (key "
+        f"{_shape(key)})")
+  dtypes = {np.dtype(x.dtype) for x in (query, key, value)}
+  if len(dtypes) != 1:
+    raise TypeError(
+        f"query, key and value must have one dtype, got {query.dtype}, "
+        f"{key.dtype}, {value.dtype}")
+  if np.dtype(query.dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(
+        f"query, key and value must be float32, float16, bfloat16 or float64, "
+        f"got {query.dtype}")
+  return Dims(B, T, S, N, K, H)
+
+
+def check_broadcast_operand(name: str, x, dims: Dims) -> None:
+  """Checks a 4-D bias or mask broadcastable to (B, N, T, S).
+
+  Raises:
+    ValueError: on a rank other than 4 or a dim that is neither 1 nor full.
+    TypeError: on a mask that is not bool, a bias that is not floating point.
+  """
+  full = (dims.B, dims.N, dims.T, dims.S)
+  if x.ndim != 4 or any(d not in (1, f) for d, f in zip(_shape(x), full)):
+    raise ValueError(
+        f"{name} of shape {_shape(x)} is not broadcastable to (B, N, T, S) = "
+        f"{full}: each dim must be 1 or the full size")
+  if name == "mask" and np.dtype(x.dtype) != np.dtype(bool):
+    raise TypeError(f"mask must be bool (True = attend), got {x.dtype}")
+  if name == "bias" and np.dtype(x.dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(
+        f"bias must be float32, float16, bfloat16 or float64, got {x.dtype}")
+
+
+def check_seq_lengths(name: str, x, dims: Dims) -> None:
+  """Checks a (B,) int32 array of sequence lengths.
+
+  Raises:
+    ValueError: on a shape other than (B,). TypeError: on a non-int32 dtype.
+  """
+  if _shape(x) != (dims.B,):
+    raise ValueError(f"{name} must have shape (B,) = ({dims.B},), got {_shape(x)}")
+  if np.dtype(x.dtype) != np.dtype(np.int32):
+    raise TypeError(f"{name} must be int32, got {x.dtype}")
+
+
+def check_operands(config: AttentionConfig, operands) -> Dims:
+  """Checks all operands of the primitive against ``config``; returns dims."""
+  n_expected = 3 + sum((config.has_bias, config.has_mask, config.has_q_lens,
+                        config.has_kv_lens))
+  if len(operands) != n_expected:
+    raise ValueError(f"expected {n_expected} operands, got {len(operands)}")
+  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(operands)
+  dims = check_qkv(q, k, v)
+  if bias is not None:
+    check_broadcast_operand("bias", bias, dims)
+  if mask is not None:
+    check_broadcast_operand("mask", mask, dims)
+  if q_lens is not None:
+    check_seq_lengths("query_seq_lengths", q_lens, dims)
+  if kv_lens is not None:
+    check_seq_lengths("key_value_seq_lengths", kv_lens, dims)
+  return dims
+
+
+def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
+  """``int w`` -> ``(w, w)``; ``(left, right)`` kept; both must be >= 0.
+
+  Raises:
+    TypeError: if not None, an int or a pair of ints (static Python values).
+    ValueError: on a negative size.
+  """
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)) and not isinstance(
+      local_window_size, bool):
+    window = (int(local_window_size),) * 2
+  elif (isinstance(local_window_size, (tuple, list))
+        and len(local_window_size) == 2
+        and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
+                for w in local_window_size)):
+    window = tuple(int(w) for w in local_window_size)
+  else:
+    raise TypeError(
+        f"local_window_size must be None, an int or a (left, right) pair of "
+        f"static ints, got {local_window_size!r}")
+  if min(window) < 0:
+    raise ValueError(f"local_window_size must be >= 0, got {local_window_size!r}")
+  return window
+
+
+def static_float(name: str, x: Any, *, positive: bool = False) -> float:
+  """Returns ``x`` as a Python float; it must be a finite static number.
+
+  Raises:
+    TypeError: for traced or non-numeric values. ValueError: for non-finite
+    values, or values <= 0 when ``positive``.
+  """
+  try:
+    value = float(x)
+  except Exception as err:  # tracers raise ConcretizationTypeError here
+    raise TypeError(
+        f"{name} must be a static Python number, got {type(x).__name__}") from err
+  if not math.isfinite(value) or (positive and value <= 0):
+    raise ValueError(
+        f"{name} must be a finite{' positive' if positive else ''} number, got {x!r}")
+  return value
