@@ -17,7 +17,7 @@ demo: $(VENV)/.installed-demo
 	$(PY) -m fastattn_jax.demo
 
 test: $(VENV)/.installed-test
-	$(VENV)/bin/pytest -n 2 tests notebooks
+	$(VENV)/bin/pytest -n 2 --nbmake tests notebooks
 
 bench: $(VENV)/.installed-test
 	$(PY) -m fastattn_jax.bench

@@ -38,9 +38,14 @@ def bind(config: AttentionConfig, *operands):
   return tuple(fast_attention_p.bind(*operands, config=config))
 
 
+@functools.cache
+def _jitted_bind(config: AttentionConfig):
+  return jax.jit(functools.partial(bind, config))
+
+
 @fast_attention_p.def_impl
 def _impl(*operands, config):
-  return jax.jit(functools.partial(bind, config))(*operands)
+  return _jitted_bind(config)(*operands)
 
 
 @fast_attention_p.def_abstract_eval

@@ -1,0 +1,351 @@
+"""Benchmark: ``fast_attention`` against ``jax.nn.dot_product_attention``.
+
+What it measures, for each shape of a grid chosen per platform (forward pass
+only, jitted, inputs already on the device):
+
+* time: the median of a few calls of the compiled function, after one
+  warm-up call (``block_until_ready`` around each); the number of calls adapts
+  to the cost of the warm-up call so that large shapes stay affordable;
+* throughput: GFLOP/s = FLOPs / time with FLOPs = 4 * B * N * H * (visible
+  query-key pairs): two matrix products (Q K^T and P V) of 2 * H FLOPs per
+  pair. The pairs are T * S without a mask; with ``is_causal`` only the
+  visible ones count (T * (T + 1) / 2 for T = S), so causal GFLOP/s are
+  "useful" GFLOP/s, comparable with the non-causal ones;
+* speedup: competitor time / fast_attention time;
+* memory: XLA's compile-time memory analysis of each jitted function
+  (``temp_size_in_bytes``: the scratch buffers XLA allocates, e.g. the T x S
+  logits of the unfused path). Workspace that a fused kernel allocates
+  internally is not visible to XLA and not counted.
+
+Competitors that materialize the T x S logits are skipped (reported as
+"skip", with the reason) where one float32 B x N x T x S buffer would exceed
+``--memory-budget`` (default a quarter of the memory: RAM on CPU); they are
+never run into an out-of-memory kill. Their compiled memory is still
+reported.
+
+Run::
+
+  python -m fastattn_jax.bench                 # full grid (about 10-15 min on 2 CPU cores)
+  python -m fastattn_jax.bench --quick         # tiny grid, a smoke test
+  python -m fastattn_jax.bench --seq-lens 512,1024 --decode-lens 4096 --out /tmp/b
+
+It prints a table and writes ``bench.json`` and ``bench.png`` to ``--out``
+(default ``bench_results/``). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+import fastattn_jax
+from fastattn_jax import fast_attention, resolve_implementation
+
+SUBJECT = "fastattn"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One benchmark shape: q (B, T, N, H), k and v (B, S, K, H)."""
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  causal: bool
+  dtype: str
+
+  def visible_pairs(self) -> int:
+    """Query-key pairs that attention computes (jax.nn's causal: key j <= query i)."""
+    if not self.causal:
+      return self.T * self.S
+    diagonal = min(self.T, self.S)  # rows i < S see i + 1 keys, later rows all S
+    return diagonal * (diagonal + 1) // 2 + (self.T - diagonal) * self.S
+
+  def flops(self) -> int:
+    return 4 * self.B * self.N * self.H * self.visible_pairs()
+
+  def logits_bytes(self) -> int:
+    """Size of one float32 B x N x T x S buffer, what an unfused path materializes."""
+    return 4 * self.B * self.N * self.T * self.S
+
+
+class Competitor(NamedTuple):
+  """An attention function to time: ``make(case)`` returns ``f(q, k, v)``."""
+  name: str
+  make: Callable[[Case], Callable]
+  materializes_logits: bool
+
+
+def _fast(case: Case) -> Callable:
+  return functools.partial(fast_attention, is_causal=case.causal)
+
+
+def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
+  def make(case: Case) -> Callable:
+    return functools.partial(jax.nn.dot_product_attention, is_causal=case.causal,
+                             implementation=implementation)
+  return make
+
+
+def competitors(platform_name: str) -> list[Competitor]:
+  """fast_attention first, then what it is compared with on this platform."""
+  fast_path = resolve_implementation(backend=platform_name)
+  return [
+      Competitor(SUBJECT, _fast, materializes_logits=fast_path == "xla"),
+      Competitor("xla", _jax_nn("xla"), materializes_logits=True),
+  ]
+
+
+def cpu_grid(dtype: str, seq_lens, decode_lens) -> list[Case]:
+  """B=1, N=8, H=64: T = S, causal and not; then decode rows T=1 (non-causal:
+  with jax.nn's top-left causal alignment a single query would see one key)."""
+  cases = [Case(1, n, n, 8, 8, 64, causal, dtype)
+           for n in seq_lens for causal in (False, True)]
+  cases += [Case(1, 1, s, 8, 8, 64, False, dtype) for s in decode_lens]
+  return cases
+
+
+class Grid(NamedTuple):
+  """A platform's grid: ``cases(dtype, seq_lens, decode_lens)`` and its defaults."""
+  cases: Callable[..., list[Case]]
+  dtype: str
+  seq_lens: tuple[int, ...]
+  decode_lens: tuple[int, ...]
+  quick_seq_lens: tuple[int, ...]
+  quick_decode_lens: tuple[int, ...]
+
+
+#: Grid per JAX platform.
+GRIDS = {
+    "cpu": Grid(cpu_grid, "float32", seq_lens=(512, 1024, 2048, 4096, 8192, 16384, 32768),
+                decode_lens=(4096, 32768), quick_seq_lens=(128, 256), quick_decode_lens=(512,)),
+}
+
+
+def memory_budget(device) -> int:
+  """A quarter of the device's memory (the RAM for CPU devices), in bytes."""
+  stats = device.memory_stats() or {}
+  total = stats.get("bytes_limit") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  return total // 4
+
+
+def _inputs(case: Case):
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  dtype = jnp.dtype(case.dtype)
+  q = jax.random.normal(kq, (case.B, case.T, case.N, case.H), dtype)
+  k = jax.random.normal(kk, (case.B, case.S, case.K, case.H), dtype)
+  v = jax.random.normal(kv, (case.B, case.S, case.K, case.H), dtype)
+  return q, k, v
+
+
+def _memory(compiled) -> dict:
+  analysis = compiled.memory_analysis()
+  fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "generated_code_size_in_bytes")
+  return {f: int(getattr(analysis, f)) for f in fields if hasattr(analysis, f)}
+
+
+def time_compiled(compiled, args, time_budget_s: float, max_repeats: int):
+  """Median seconds per call after one warm-up call; returns (seconds, calls timed).
+
+  Times as many calls as fit in ``time_budget_s`` (judged by the warm-up),
+  at least 1 and at most ``max_repeats``.
+  """
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(*args))
+  warmup = time.perf_counter() - start
+  repeats = max(1, min(max_repeats, int(time_budget_s / warmup)))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), repeats
+
+
+def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
+             time_budget_s: float, max_repeats: int) -> dict:
+  args = _inputs(case)
+  results = {}
+  for comp in comps:
+    compiled = jax.jit(comp.make(case)).lower(*args).compile()
+    result = {"memory": _memory(compiled), "skipped": None}
+    if comp.materializes_logits and case.logits_bytes() > budget_bytes:
+      result["skipped"] = (f"its {case.logits_bytes() / 2**30:.1f} GiB float32 logits "
+                           f"exceed the {budget_bytes / 2**30:.1f} GiB budget")
+    else:
+      seconds, repeats = time_compiled(compiled, args, time_budget_s, max_repeats)
+      result.update(ms=seconds * 1e3, repeats=repeats, gflops=case.flops() / seconds / 1e9)
+    results[comp.name] = result
+  speedup = {name: r["ms"] / results[SUBJECT]["ms"] for name, r in results.items()
+             if name != SUBJECT and "ms" in r}
+  return {"case": dataclasses.asdict(case), "flops": case.flops(),
+          "results": results, "speedup": speedup}
+
+
+def _format_bytes(n: int) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{n} B"
+
+
+def format_table(rows: list[dict], names: list[str]) -> str:
+  others = [n for n in names if n != SUBJECT]
+  header = ["B", "T", "S", "N", "H", "causal"]
+  for name in names:
+    header += [f"{name} ms", f"{name} GFLOP/s"]
+  header += [f"speedup vs {n}" for n in others]
+  header += [f"{name} temp mem" for name in names]
+  lines = []
+  for row in rows:
+    c = row["case"]
+    cells = [c["B"], c["T"], c["S"], c["N"], c["H"], "yes" if c["causal"] else "no"]
+    for name in names:
+      r = row["results"][name]
+      cells += ([f"{r['ms']:.2f}", f"{r['gflops']:.1f}"] if "ms" in r else ["skip", "-"])
+    cells += [f"{row['speedup'][n]:.2f}x" if n in row["speedup"] else "-" for n in others]
+    cells += [_format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
+              for n in names]
+    lines.append([str(x) for x in cells])
+  widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+  fmt = lambda cells: "  ".join(x.rjust(w) for x, w in zip(cells, widths))
+  out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines]
+  skips = {f"{n}: {row['results'][n]['skipped']}" for row in rows for n in names
+           if row["results"][n]["skipped"]}
+  out += [f"skip = {s}" for s in sorted(skips)]
+  return "\n".join(out)
+
+
+def plot(rows: list[dict], names: list[str], path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+  square = [r for r in rows if r["case"]["T"] == r["case"]["S"]]
+  for color, name in enumerate(names):
+    for causal, style in ((False, "-o"), (True, "--s")):
+      sel = [r for r in square if r["case"]["causal"] == causal]
+      timed = [r for r in sel if "ms" in r["results"][name]]
+      label = f"{name}{' causal' if causal else ''}"
+      ax_speed.plot([r["case"]["S"] for r in timed],
+                    [r["results"][name]["gflops"] for r in timed], style, color=f"C{color}",
+                    label=label)
+      ax_mem.plot([r["case"]["S"] for r in sel],
+                  [max(r["results"][name]["memory"].get("temp_size_in_bytes", 0), 1) / 2**20
+                   for r in sel], style, color=f"C{color}", label=label)
+  ax_speed.set(xscale="log", xlabel="sequence length T = S", ylabel="GFLOP/s (useful)",
+               title="throughput")
+  ax_mem.set(xscale="log", yscale="log", xlabel="sequence length T = S",
+             ylabel="XLA temp memory (MiB)", title="compiled scratch memory")
+  for ax in (ax_speed, ax_mem):
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown CPU"
+
+
+def environment() -> dict:
+  device = jax.devices()[0]
+  kind = _cpu_model() if device.platform == "cpu" else device.device_kind
+  return {
+      "platform": device.platform,
+      "device": f"{kind} ({jax.device_count()} device(s), {os.cpu_count()} CPU cores)",
+      "jax": jax.__version__,
+      "fastattn_jax": fastattn_jax.__version__,
+      "fastattn_path": resolve_implementation(),
+      "python": platform.python_version(),
+  }
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+      prog="python -m fastattn_jax.bench",
+      description="Times fast_attention against jax.nn.dot_product_attention.")
+  parser.add_argument("--quick", action="store_true", help="tiny grid (smoke test)")
+  parser.add_argument("--out", default="bench_results", help="output directory")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="input dtype (default: the platform grid's)")
+  parser.add_argument("--seq-lens", type=_int_list, help="T = S values, comma-separated")
+  parser.add_argument("--decode-lens", type=_int_list,
+                      help="S values of the T = 1 rows, comma-separated ('' for none)")
+  parser.add_argument("--memory-budget", type=float,
+                      help="GiB an unfused competitor's logits may take (default: 1/4 of memory)")
+  parser.add_argument("--time-budget", type=float, default=3.0,
+                      help="seconds of timed calls per measurement (default 3)")
+  parser.add_argument("--max-repeats", type=int, default=10)
+  args = parser.parse_args(argv)
+
+  env = environment()
+  if env["platform"] not in GRIDS:
+    parser.error(f"no benchmark grid for platform {env['platform']!r} yet")
+  grid = GRIDS[env["platform"]]
+  seq_lens = grid.quick_seq_lens if args.quick else grid.seq_lens
+  decode_lens = grid.quick_decode_lens if args.quick else grid.decode_lens
+  seq_lens = seq_lens if args.seq_lens is None else args.seq_lens
+  decode_lens = decode_lens if args.decode_lens is None else args.decode_lens
+  dtype = args.dtype or grid.dtype
+  budget = (memory_budget(jax.devices()[0]) if args.memory_budget is None
+            else int(args.memory_budget * 2**30))
+  comps = competitors(env["platform"])
+  names = [c.name for c in comps]
+  cases = grid.cases(dtype, seq_lens, decode_lens)
+
+  env.update(dtype=dtype, memory_budget_gib=round(budget / 2**30, 2))
+  for key, value in env.items():
+    print(f"{key:>20}: {value}")
+  sys.stdout.flush()
+
+  rows = []
+  for case in tqdm(cases, desc="bench", unit="shape", file=sys.stderr):
+    rows.append(run_case(case, comps, budget, args.time_budget, args.max_repeats))
+
+  print()
+  print(format_table(rows, names))
+  print("GFLOP/s = 4*B*N*H*(visible query-key pairs) / time: causal counts only the "
+        "visible pairs (about half).")
+  os.makedirs(args.out, exist_ok=True)
+  json_path = os.path.join(args.out, "bench.json")
+  with open(json_path, "w") as f:
+    json.dump({"environment": env, "rows": rows}, f, indent=1)
+  png_path = os.path.join(args.out, "bench.png")
+  plot(rows, names, png_path,
+       f"fast_attention ({env['fastattn_path']} path) vs jax.nn, {dtype}, {env['device']}")
+  print(f"wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":
+  main()
