@@ -79,7 +79,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   out_shape = query.shape
   to_4d = lambda x: x if x is None else jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
-  q, k, v = (to_4d(x) if x.ndim <= 4 else x for x in (query, key, value))
+  q, k, v = (to_4d(x) if x.ndim == 3 else x for x in (query, key, value))
   dims = shapes.check_qkv(q, k, v)
   if bias is not None:
     bias = jnp.asarray(bias)

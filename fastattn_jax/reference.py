@@ -81,6 +81,9 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   l = jnp.sum(p, axis=-1, keepdims=True)
   l_safe = jnp.where(l > 0, l, 1)  # keeps empty rows (l = 0) free of NaN
   p = p / l_safe
+  if kv_lens is not None:  # keys past the length are never read, even as 0 * v
+    value = jnp.where(jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None],
+                      value, 0)
   out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S),
                    value.astype(acc), precision=jax.lax.Precision.HIGHEST)
   out = out.reshape(B, T, N, H).astype(query.dtype)
