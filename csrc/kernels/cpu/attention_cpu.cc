@@ -1,0 +1,385 @@
+// Fused attention forward on the CPU: the FastAttention two-level tiling.
+//
+// FastAttention (the paper's review thread, "two-level tiling") computes, for a block Q_i of Br
+// query rows and key/value blocks K_j, V_j of Bc rows:
+//   S_i^(j) = Q_i K_j^T                                           (level 1, Br x Bc)
+//   for each Bb-row slice k of S_i^(j):                           (level 2)
+//     m_ik^(j) = max(m_ik^(j-1), rowmax(S_ik^(j)))
+//     P_ik^(j) = exp(S_ik^(j) - m_ik^(j))
+//     l_ik^(j) = e^(m_ik^(j-1) - m_ik^(j)) l_ik^(j-1) + rowsum(P_ik^(j))
+//   O_i^(j) = diag(e^(m_i^(j-1) - m_i^(j))) O_i^(j-1) + P_i^(j) V_j
+//   O_i = diag(l_i)^-1 O_i,  LSE_i = m_i + log(l_i).
+//
+// CPU mapping. Query rows are the vector lanes everywhere: Q_i is transposed once per work item
+// (H x Br), the score tile is kept transposed (S^T, Bc x Bb), and O is accumulated transposed
+// (H x Br). Then
+//  - both matrix products are register-blocked outer products whose other operand, a K or V row,
+//    is read as broadcast scalars: K and V need no transposition or padding, and float32 inputs
+//    are read in place;
+//  - the softmax reductions (rowmax, rowsum) run down the columns of S^T, lane-parallel, with no
+//    horizontal reductions, and m, l and the rescale factors are plain vectors;
+//  - a level-2 slice is the unit of the whole update: its Bc x Bb scores are computed, turned
+//    into probabilities and multiplied into O while they are in L1.
+//
+// A work item is (batch b, key/value head kh, one block of Br "packed" query rows): the G = N / K
+// query heads that read head kh are interleaved as rows (row g is query position g / G, head
+// kh * G + g % G), so grouped-query attention streams each K/V tile once for all of its heads.
+//
+// Visibility is never materialized as a matrix. Every row has a contiguous visible key range
+// [lo, hi) (causal, window and lengths), monotone in the query position; key tiles outside the
+// union of a block's ranges are never visited, slices skip tiles that none of their rows sees, and
+// within a tile each slice only touches the key span its rows see. Invisible scores are replaced
+// (selected) by -inf before the softmax, so a NaN or Inf in a score that is not visible never
+// reaches a sum, and keys at or beyond kv_lens[b] are never read.
+#include "attention_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "cpu_float16.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define FASTATTN_X86 1
+#else
+#define FASTATTN_X86 0
+#endif
+
+#define FASTATTN_INLINE inline __attribute__((always_inline))
+
+namespace fastattn {
+namespace {
+
+using cpu::BFloat16;
+using cpu::Half;
+
+// Tile sizes (measured on the 2-core AMD EPYC (Zen 4, AVX-512) development VM, f32, H = 64,
+// B = 1, N = 8).
+// Br, packed query rows per work item (level 1): every key/value tile streamed from memory is
+// reused by all Br rows, so larger is better until Q^T and O^T (H x Br each) crowd the 1 MB L2:
+// S = T = 8192, 2 threads: Br = 64 1000 ms, 128 954 ms, 256 803 ms (causal 484 / 440 / 407 ms);
+// S = 4096: 223 / 214 / 204 ms. Chosen per call: kMaxBr, halved while Br * H exceeds
+// kMaxQtFloats or while the call would have fewer than 4 work items per thread.
+constexpr int64_t kMaxBr = 256;
+constexpr int64_t kMaxQtFloats = 256 * 128;
+// Bc, keys per tile (level 1): 64, 128 and 256 measured within the VM's run-to-run noise (~5%,
+// S = 2048); 128 keeps a slice's scores (Bc x Bb floats, 32 KB) within L1 + L2 reach and the
+// converted K and V tiles of 16-bit inputs small.
+constexpr int64_t kBc = 128;
+// Bb, query rows per level-2 slice, the unit of the score / softmax / P V pipeline: the AVX-512
+// register blocks' row extent (4 vectors of 16 lanes); 32 measured the same. A multiple of every
+// vector width.
+constexpr int64_t kBb = 64;
+
+// Decode: when every (batch, key/value head) has at most kFewRows packed query rows (T * G), the
+// head dimension goes in the vector lanes and a work item spans all heads (process_decode_item).
+// S = 32768, bf16, H = 128, N = 64, K = 8, T = 1: 24 ms with the limit at 8, 31 ms at 4 (the rows
+// in lanes path); f32, H = 64, N = K = 8, T = 16: 8.7 ms in lanes, 12 ms with the limit at 16.
+constexpr int64_t kFewRows = 8;
+// Decode key tiles: K and V of one tile (all heads, as floats) take at most this many bytes, so
+// that it and the next one, being prefetched, fit in half of the 1 MB L2 (128 KB to 1 MB
+// measured the same).
+constexpr int64_t kDecodeTileBytes = 256 * 1024;
+// Vectors of an O row accumulated at once on the decode path.
+constexpr int kRowVecs = 8;
+
+// Below this many floating-point operations per extra thread, a thread costs more than it saves:
+// a second thread breaks even at T = S = 64, N = 4, H = 64 (4.2 MFLOP, 104 vs 96 us).
+constexpr double kFlopsPerThread = 4e6;
+// Split-KV: each split of a row's key range covers at least this many keys.
+constexpr int64_t kMinSplitKeys = 1024;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+constexpr int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Read-only description of one call, shared by all workers.
+struct Problem {
+  const AttentionParams* p;
+  int64_t G;             // query heads per key/value head
+  int64_t packed_rows;   // T * G rows per (b, kh)
+  bool decode;           // packed_rows <= kFewRows: work items (b, split), all heads
+  int64_t decode_keys;   // keys per tile on the decode path
+  int64_t Br;            // packed rows per work item otherwise, a multiple of kBb
+  int64_t tiles;         // ceil(packed_rows / Br)
+  int64_t splits;        // split-KV factor, 1 when off
+  int64_t items;         // B * K * tiles * splits, or B * splits for decode
+  int64_t q_floats;      // Scratch sizes: Q^T / O^T (or Q / O rows) floats,
+  int64_t kv_floats;     // converted K and V tiles,
+  int64_t row_capacity;  // and rows of per-row state
+  float* part_o;         // split-KV partials: (splits, B*T*N, H) unnormalized O
+  float* part_m;         // (splits, B*T*N) running max
+  float* part_l;         // (splits, B*T*N) running sum
+};
+
+// Per-thread working memory: O((Br + Bc) * H) floats; decode: O(K * (T * G + 32) * H), the
+// Q and O rows of every head plus K / V tiles of all heads (at least 16 keys).
+struct Scratch {
+  float* qt;          // H x Br     Q^T, converted (decode: a Q row per head and row)
+  float* ot;          // H x Br     O^T accumulators (decode: O rows)
+  float* st;          // Bc x Bb    S^T, then P^T, of one slice (decode: one row's scores)
+  float* kv;          // converted K and V tiles (decode: all heads, padded to Hp)
+  float* m;           // rows       running max
+  float* l;           // rows       running sum
+  float* alpha;       // Bb         rescale factors of the slice for this tile
+  int32_t* lo_rel;    // Bb         visible key range of each slice row, relative to the tile
+  int32_t* hi_rel;    // Bb
+  int64_t* lo;        // rows       visible key range [lo, hi) of each row
+  int64_t* hi;        // rows
+  int64_t* bias_off;  // rows       offset of each row's (b, n, i, 0) bias / mask element
+  int64_t* mask_off;  // rows
+
+  // Size in floats; every region is a multiple of 16 floats (64 bytes).
+  static int64_t floats(const Problem& pb) {
+    return 2 * round_up(pb.q_floats, 16) + kBc * kBb + round_up(pb.kv_floats, 16) +
+           2 * pb.row_capacity + kBb + 2 * kBb + 8 * pb.row_capacity;
+  }
+
+  Scratch(float* base, const Problem& pb) {
+    const int64_t rows = pb.row_capacity;
+    qt = base;
+    ot = qt + round_up(pb.q_floats, 16);
+    st = ot + round_up(pb.q_floats, 16);
+    kv = st + kBc * kBb;
+    m = kv + round_up(pb.kv_floats, 16);
+    l = m + rows;
+    alpha = l + rows;
+    lo_rel = reinterpret_cast<int32_t*>(alpha + kBb);
+    hi_rel = lo_rel + kBb;
+    lo = reinterpret_cast<int64_t*>(hi_rel + kBb);
+    hi = lo + rows;
+    bias_off = hi + rows;
+    mask_off = bias_off + rows;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// One copy of the kernel per instruction set. Each is compiled for its set from the start (a
+// target region, not a target attribute on an entry point: vector code first optimized for the
+// baseline and inlined later loses its broadcasts and register blocking). The register blocks
+// are kKeys keys (scores) or kDims head dimensions (P V) by kVecs vectors of query rows.
+
+#if FASTATTN_X86
+#if defined(__clang__)
+#pragma clang attribute push(                                                       \
+    __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+#endif
+namespace avx512 {
+// 32 vector registers: 6 x 4 accumulators, 4 loaded vectors of Q^T or P^T, 1 broadcast.
+constexpr int kW = 16;
+constexpr int kKeys = 6;
+constexpr int kDims = 6;
+constexpr int kVecs = 4;
+#include "cpu_vec.inc"
+#include "attention_cpu_kernel.inc"
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace avx2 {
+// 16 vector registers: 4 x 3 accumulators, 3 loaded, 1 broadcast.
+constexpr int kW = 8;
+constexpr int kKeys = 4;
+constexpr int kDims = 4;
+constexpr int kVecs = 3;
+#include "cpu_vec.inc"
+#include "attention_cpu_kernel.inc"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // FASTATTN_X86
+
+// SSE2 on x86-64, NEON on aarch64: 16 or 32 registers of 4 floats.
+namespace baseline {
+constexpr int kW = 4;
+constexpr int kKeys = 4;
+constexpr int kDims = 4;
+constexpr int kVecs = 3;
+#include "cpu_vec.inc"
+#include "attention_cpu_kernel.inc"
+}  // namespace baseline
+
+using Worker = void (*)(const Problem&, float*, std::atomic<int64_t>&);
+
+Worker best_worker() {
+#if FASTATTN_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    return avx512::worker;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::worker;
+#endif
+  return baseline::worker;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split-KV combine: O = sum_s e^(m_s - M) O_s / L, L = sum_s e^(m_s - M) l_s, LSE = M + log(L).
+
+template <class T>
+void combine_splits(const Problem& pb) {
+  const AttentionParams& p = *pb.p;
+  const int64_t H = p.H;
+  const int64_t rows = p.B * p.T * p.N;
+  std::vector<float> weight(pb.splits);
+  std::vector<float> acc(H);
+  for (int64_t row = 0; row < rows; ++row) {
+    float M = -kInf;
+    for (int64_t s = 0; s < pb.splits; ++s) M = std::max(M, pb.part_m[s * rows + row]);
+    const float M_safe = M == -kInf ? 0.0f : M;
+    float L = 0.0f;
+    for (int64_t s = 0; s < pb.splits; ++s) {
+      weight[s] = std::exp(pb.part_m[s * rows + row] - M_safe);
+      L += weight[s] * pb.part_l[s * rows + row];
+    }
+    T* out = static_cast<T*>(p.out) + row * H;
+    if (L == 0.0f) {
+      std::fill(out, out + H, cpu::from_float<T>(0.0f));
+      if (p.lse != nullptr) p.lse[row] = -kInf;
+      continue;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t s = 0; s < pb.splits; ++s) {
+      const float* po = pb.part_o + (s * rows + row) * H;
+      for (int64_t h = 0; h < H; ++h) acc[h] += weight[s] * po[h];
+    }
+    for (int64_t h = 0; h < H; ++h) out[h] = cpu::from_float<T>(acc[h] / L);
+    if (p.lse != nullptr) p.lse[row] = M_safe + std::log(L);
+  }
+}
+
+int available_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+struct AlignedFree {
+  void operator()(float* ptr) const { ::operator delete(ptr, std::align_val_t{64}); }
+};
+
+void run_attention(const AttentionParams& p, int num_threads, Worker worker) {
+  if (p.B <= 0 || p.T <= 0 || p.N <= 0 || p.K <= 0 || p.H <= 0) return;
+
+  Problem pb{};
+  pb.p = &p;
+  pb.G = p.N / p.K;
+  pb.packed_rows = p.T * pb.G;
+  const int64_t cpus = num_threads > 0 ? num_threads : available_cpus();
+  int64_t base_items;
+  pb.decode = pb.packed_rows <= kFewRows;
+  if (pb.decode) {
+    const int64_t hp = round_up(p.H, 16);
+    pb.decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * hp) / 16 * 16, 16, kBc);
+    pb.q_floats = p.K * pb.packed_rows * hp;
+    pb.kv_floats = 2 * pb.decode_keys * p.K * hp;
+    pb.row_capacity = round_up(p.K * pb.packed_rows, 16);
+    base_items = p.B;
+  } else {
+    pb.Br = kMaxBr;
+    while (pb.Br > kBb && (pb.Br * p.H > kMaxQtFloats ||
+                           p.B * p.K * ceil_div(pb.packed_rows, pb.Br) < 4 * cpus)) {
+      pb.Br /= 2;
+    }
+    pb.tiles = ceil_div(pb.packed_rows, pb.Br);
+    pb.q_floats = p.H * pb.Br;
+    pb.kv_floats = 2 * kBc * p.H;
+    pb.row_capacity = pb.Br;
+    base_items = p.B * p.K * pb.tiles;
+  }
+
+  // Split-KV when there are fewer work items than threads and the keys are long enough.
+  pb.splits = 1;
+  if (base_items < cpus) {
+    pb.splits = std::max<int64_t>(1, std::min(ceil_div(cpus, base_items), p.S / kMinSplitKeys));
+  }
+  pb.items = base_items * pb.splits;
+
+  const double flops = 4.0 * p.B * p.N * p.T * p.S * p.H;
+  const int64_t threads = std::max<int64_t>(
+      1, std::min({cpus, pb.items, static_cast<int64_t>(flops / kFlopsPerThread) + 1}));
+
+  const int64_t rows = p.B * p.T * p.N;
+  std::vector<float> partials;
+  if (pb.splits > 1) {
+    partials.resize(pb.splits * rows * (p.H + 2));
+    pb.part_o = partials.data();
+    pb.part_m = pb.part_o + pb.splits * rows * p.H;
+    pb.part_l = pb.part_m + pb.splits * rows;
+  }
+
+  // All scratch is allocated before any thread starts, so a failed allocation throws here and
+  // nothing can fail part-way.
+  const int64_t per_thread = Scratch::floats(pb);
+  const size_t bytes = sizeof(float) * static_cast<size_t>(per_thread * threads);
+  std::unique_ptr<float, AlignedFree> scratch(
+      static_cast<float*>(::operator new(bytes, std::align_val_t{64})));
+
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);  // so that only a thread's creation can fail below
+  for (int64_t t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker, std::cref(pb), scratch.get() + t * per_thread, std::ref(next));
+    } catch (const std::system_error&) {
+      break;  // fewer threads: the ones running (and this one) take all the items
+    }
+  }
+  worker(pb, scratch.get(), next);
+  for (std::thread& thread : pool) thread.join();
+
+  if (pb.splits > 1) {
+    switch (p.dtype) {
+      case ElementType::kF32:
+        combine_splits<float>(pb);
+        break;
+      case ElementType::kF16:
+        combine_splits<Half>(pb);
+        break;
+      case ElementType::kBF16:
+        combine_splits<BFloat16>(pb);
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+void attention_forward_cpu(const AttentionParams& params, int num_threads) {
+  static const Worker worker = best_worker();
+  run_attention(params, num_threads, worker);
+}
+
+}  // namespace fastattn
