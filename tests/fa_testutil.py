@@ -1,0 +1,254 @@
+"""Helpers of the test suite: random inputs, a float64 reference, the
+acceptance rule.
+
+The reference here is written from the definition in numpy float64 and is
+deliberately independent of ``fastattn_jax.reference`` (the "xla" path, which
+is itself under test). Semantics (``fast_attention``'s docstring):
+
+  logits = scale * q k^T; softcap c: c * tanh(logits / c); + bias;
+  visible(i, j) = mask & (j <= i if causal) & (i - left <= j <= i + right)
+                  & (i < q_len[b]) & (j < kv_len[b]);
+  out = softmax over visible keys @ v; rows with no visible key: out 0,
+  lse -inf.
+
+Acceptance rule (the issue's): for output and LSE,
+  max|fast - ref64| <= 2 * max|xla_same_dtype - ref64| + atol[dtype].
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import fast_attention
+
+#: The path under test; None lets the library choose for the platform.
+IMPL = os.environ.get("FASTATTN_TEST_IMPLEMENTATION") or None
+
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+#: atol of the acceptance rule on the output, per dtype: about one ulp of
+#: outputs of size ~1 (the rounding of the result to the dtype alone costs
+#: half an ulp, and the xla path pays it too).
+OUT_ATOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+#: atol on the float32 LSE (every dtype accumulates logits in float32).
+LSE_ATOL = {"float32": 2e-5, "float16": 5e-5, "bfloat16": 5e-5}
+#: Sanity bound on the xla path itself (it anchors the rule; if it drifted
+#: the rule would loosen): its error against the float64 reference.
+XLA_MAX_ERR = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+#: Agreement with jax.nn.dot_product_attention on rows with a visible key:
+#: jax.nn rounds the probabilities to the input dtype before P @ V.
+JAXNN_TOL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 5e-2}
+
+
+def dtype_name(x) -> str:
+  return np.dtype(x.dtype).name
+
+
+def seed_of(text: str) -> int:
+  return zlib.crc32(text.encode())
+
+
+def has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+# --- inputs ------------------------------------------------------------------
+
+def qkv(rng, B, T, S, N, K, H, dtype=jnp.float32, batch=True):
+  """Random normal query (B,T,N,H), key and value (B,S,K,H) (no B if not batch)."""
+  lead = (B,) if batch else ()
+  make = lambda *shape: jnp.asarray(rng.standard_normal(lead + shape), dtype)
+  return make(T, N, H), make(S, K, H), make(S, K, H)
+
+
+def random_bias(rng, shape, dtype=jnp.float32):
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def random_mask(rng, shape, p_true=0.7):
+  return jnp.asarray(rng.random(shape) < p_true)
+
+
+def lengths(values):
+  return jnp.asarray(values, jnp.int32)
+
+
+# --- float64 reference ----------------------------------------------------------
+
+def _f64(x):
+  return None if x is None else np.asarray(x).astype(np.float64)
+
+
+def _as_4d(x):
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def reference64(query, key, value, bias=None, mask=None, *, scale=None,
+                is_causal=False, query_seq_lengths=None,
+                key_value_seq_lengths=None, local_window_size=None,
+                logits_soft_cap=None, block_elems=1 << 21):
+  """Attention by the definition in float64; returns (out, lse) as numpy.
+
+  Works on (B,T,N,H) or (T,N,H) inputs; bias/mask of any rank <= 4
+  broadcastable to (B,N,T,S). Computes (b, n, block of rows) at a time so a
+  4096 x 4096 problem needs only ``block_elems`` logits in memory.
+  """
+  q, k, v = _f64(query), _f64(key), _f64(value)
+  three_d = q.ndim == 3
+  if three_d:
+    q, k, v = q[None], k[None], v[None]
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  scale = 1.0 / np.sqrt(H) if scale is None else float(scale)
+  full = (B, N, T, S)
+  bias4 = None if bias is None else np.broadcast_to(_as_4d(_f64(bias)), full)
+  mask4 = None if mask is None else np.broadcast_to(_as_4d(np.asarray(mask)), full)
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  ql = None if query_seq_lengths is None else np.asarray(query_seq_lengths)
+  kl = None if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+  out = np.zeros((B, T, N, H))
+  lse = np.full((B, T, N), -np.inf)
+  j = np.arange(S)[None, :]
+  rows = max(1, block_elems // max(S, 1))
+  for b in range(B):
+    for n in range(N):
+      kb, vb = k[b, :, n // G], v[b, :, n // G]
+      for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        i = np.arange(r0, r1)[:, None]
+        s = (q[b, r0:r1, n] @ kb.T) * scale
+        if logits_soft_cap is not None:
+          s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+        if bias4 is not None:
+          s = s + bias4[b, n, r0:r1]
+        vis = np.ones((r1 - r0, S), bool)
+        if mask4 is not None:
+          vis &= mask4[b, n, r0:r1]
+        if is_causal:
+          vis &= j <= i
+        if local_window_size is not None:
+          left, right = local_window_size
+          vis &= (j >= i - left) & (j <= i + right)
+        if ql is not None:
+          vis &= i < ql[b]
+        if kl is not None:
+          vis &= j < kl[b]
+        s = np.where(vis, s, -np.inf)
+        has = vis.any(axis=1)
+        m = np.where(has, s.max(axis=1, initial=-np.inf), 0.0)[:, None]
+        p = np.where(vis, np.exp(s - m), 0.0)
+        l = p.sum(axis=1)
+        l_safe = np.where(has, l, 1.0)
+        out[b, r0:r1, n] = np.where(has[:, None], (p @ vb) / l_safe[:, None], 0.0)
+        lse[b, r0:r1, n] = np.where(has, m[:, 0] + np.log(l_safe), -np.inf)
+  if three_d:
+    out, lse = out[0], lse[0]
+  return out, lse
+
+
+# --- comparisons --------------------------------------------------------------
+
+def max_err(x, ref, where=None):
+  """max |x - ref| over finite entries of ref (and ``where``), in float64."""
+  x = np.asarray(x).astype(np.float64)
+  sel = np.isfinite(ref) if where is None else (np.isfinite(ref) & where)
+  if not sel.any():
+    return 0.0
+  return float(np.max(np.abs(x[sel] - ref[sel]))) if np.isfinite(x[sel]).all() else np.inf
+
+
+def assert_accepted(fast, xla, ref, atol, xla_max, what):
+  """The acceptance rule, plus: finite where ref is, -inf exactly where ref is."""
+  fast64 = np.asarray(fast).astype(np.float64)
+  finite = np.isfinite(ref)
+  bad = ~np.isfinite(fast64[finite])
+  assert not bad.any(), (
+      f"{what}: {bad.sum()} non-finite values where the reference is finite, "
+      f"first at {np.argwhere(finite)[np.argmax(bad)]}")
+  assert np.array_equal(np.isneginf(fast64), np.isneginf(ref)), (
+      f"{what}: -inf at {np.argwhere(np.isneginf(fast64) != np.isneginf(ref))[:5]} "
+      f"disagrees with the reference")
+  err_fast, err_xla = max_err(fast64, ref), max_err(xla, ref)
+  assert err_xla <= xla_max, (
+      f"{what}: the xla path itself is off the float64 reference by {err_xla:.3g} "
+      f"(> {xla_max:.3g}); the acceptance rule would be meaningless")
+  assert err_fast <= 2 * err_xla + atol, (
+      f"{what}: max|fast - ref64| = {err_fast:.3g} > 2 * max|xla - ref64| "
+      f"({err_xla:.3g}) + atol ({atol:.3g})")
+  return err_fast, err_xla
+
+
+def visible_rows(ref_lse):
+  """Rows (b, t, n) with at least one visible key."""
+  return np.isfinite(ref_lse)
+
+
+def check_call(q, k, v, bias=None, mask=None, *, implementation=None,
+               compare_jax_nn=True, jit=True, **opts):
+  """Runs ``fast_attention`` (implementation under test) and the xla path on
+  the same inputs; checks output and LSE against the float64 reference under
+  the acceptance rule and, where jax.nn supports the call, against
+  ``jax.nn.dot_product_attention`` on rows with a visible key.
+
+  Returns (out, lse, ref_out, ref_lse) for further checks.
+  """
+  name = dtype_name(q)
+  run = lambda impl: _run(impl, jit, q, k, v, bias, mask, opts)
+  out, lse = run(implementation)
+  xout, xlse = run("xla")
+  assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+  assert lse.shape == q.shape[:-1] and lse.dtype == jnp.float32, (lse.shape, lse.dtype)
+  ref_out, ref_lse = reference64(q, k, v, bias, mask, **opts)
+  assert_accepted(out, xout, ref_out, OUT_ATOL[name], XLA_MAX_ERR[name], f"output ({name})")
+  assert_accepted(lse, xlse, ref_lse, LSE_ATOL[name], LSE_ATOL[name], f"LSE ({name})")
+  empty = ~np.isfinite(ref_lse)
+  assert np.all(np.asarray(out)[empty] == 0), "rows with no visible key must be 0"
+  if compare_jax_nn and opts.get("logits_soft_cap") is None:
+    nn_out = jax.nn.dot_product_attention(
+        q, k, v, bias, mask,
+        **{k_: v_ for k_, v_ in opts.items() if k_ != "logits_soft_cap"})
+    rows = visible_rows(ref_lse)[..., None] & np.ones(q.shape[-1:], bool)
+    tol = JAXNN_TOL[name]
+    err_nn_ref = max_err(nn_out, ref_out, rows)
+    assert err_nn_ref <= tol, (
+        f"jax.nn.dot_product_attention is {err_nn_ref:.3g} off the float64 "
+        f"reference of this suite (> {tol}): the suite's semantics are wrong")
+    diff = np.abs(np.asarray(out, np.float64) - np.asarray(nn_out, np.float64))[rows]
+    assert diff.size == 0 or diff.max() <= tol, (
+        f"fast_attention vs jax.nn.dot_product_attention: {diff.max():.3g} > {tol}")
+  return out, lse, ref_out, ref_lse
+
+
+def _run(impl, jit, q, k, v, bias, mask, opts):
+  f = lambda q, k, v, bias, mask: fast_attention(
+      q, k, v, bias, mask, return_residual=True, implementation=impl, **opts)
+  if jit:
+    f = jax.jit(f)
+  return f(q, k, v, bias, mask)
+
+
+# --- HLO --------------------------------------------------------------------
+
+_SHAPE = re.compile(r"\b(?:pred|[suf]\d+|bf16|f8\w*)\[([0-9,]*)\]")
+
+
+def hlo_shapes(text):
+  """All array shapes (tuples of ints) mentioned in an HLO text."""
+  return [tuple(int(d) for d in m.group(1).split(",") if d)
+          for m in _SHAPE.finditer(text)]
+
+
+def x64():
+  """Context manager enabling float64 (restores the previous setting)."""
+  return jax.enable_x64(True)

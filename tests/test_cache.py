@@ -1,0 +1,70 @@
+"""The persistent compilation cache: a program with the fused kernel is
+written to the cache by one process and loaded by a fresh one (which must
+register the FFI target before running the deserialized executable)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+import fa_testutil as tu
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    cache_dir, out_path, impl = sys.argv[1], sys.argv[2], sys.argv[3] or None
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+    import fastattn_jax
+    from fastattn_jax import fast_attention
+    assert "site-packages" in fastattn_jax.__file__ or "dist-packages" in fastattn_jax.__file__, fastattn_jax.__file__
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in [(2, 33, 4, 40), (2, 50, 2, 40), (2, 50, 2, 40)])
+    f = jax.jit(lambda q, k, v: fast_attention(q, k, v, is_causal=True, return_residual=True,
+                                               implementation=impl))
+    hlo = f.lower(q, k, v).as_text()
+    out, lse = f(q, k, v)
+    np.savez(out_path, out=np.asarray(out), lse=np.asarray(lse))
+    print(json.dumps({"hits": len(hits), "kernel_in_hlo": "fastattn_attention_fwd" in hlo,
+                      "module": fastattn_jax.__file__}))
+""")
+
+
+def _run(tmp_path, cache, name):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = tmp_path / f"{name}.npz"
+  proc = subprocess.run(
+      [sys.executable, "-c", SCRIPT, str(cache), str(out), tu.IMPL or ""],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  info = json.loads(proc.stdout.strip().splitlines()[-1])
+  return info, np.load(out)
+
+
+def test_persistent_compilation_cache(tmp_path):
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  first, r1 = _run(tmp_path, cache, "first")
+  entries = [p for p in cache.rglob("*") if p.is_file()]
+  assert entries, "the first run wrote nothing to the compilation cache"
+  assert first["hits"] == 0
+  if tu.IMPL in (None, "cpu"):
+    assert first["kernel_in_hlo"], "the cached program should hold the fused kernel"
+  second, r2 = _run(tmp_path, cache, "second")
+  assert second["hits"] >= 1, f"the second run did not load from the cache: {second}"
+  np.testing.assert_array_equal(r1["out"], r2["out"])
+  np.testing.assert_array_equal(r1["lse"], r2["lse"])
+  rng = np.random.default_rng(0)  # the script's inputs
+  q, k, v = (rng.standard_normal(s).astype(np.float32)
+             for s in [(2, 33, 4, 40), (2, 50, 2, 40), (2, 50, 2, 40)])
+  ref, ref_lse = tu.reference64(q, k, v, is_causal=True)
+  np.testing.assert_allclose(r2["out"], ref, atol=1e-5)
+  np.testing.assert_allclose(r2["lse"], ref_lse, atol=1e-5)

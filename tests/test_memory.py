@@ -1,0 +1,64 @@
+"""The fused path never materializes a T x S buffer (checked on the optimized
+HLO); the same scan of the xla path finds one, so the check can fail."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import fast_attention
+
+T, S = 4096, 4032  # distinct, so a dim of either size can be told apart
+B, N, K, H = 1, 2, 1, 64
+
+OPTIONS = {
+    "plain": {},
+    "causal_window_softcap": dict(is_causal=True, local_window_size=(512, 0),
+                                  logits_soft_cap=20.0),
+    "lengths": dict(query_seq_lengths=jnp.asarray([3000], jnp.int32),
+                    key_value_seq_lengths=jnp.asarray([4000], jnp.int32)),
+    "small_bias_and_mask": dict(bias=(1, N, 1, S), mask=(B, 1, T, 1)),
+}
+
+
+def _big_shapes(hlo):
+  """Shapes with >= T*S elements or both a T and an S dim."""
+  big = []
+  for shape in tu.hlo_shapes(hlo):
+    if math.prod(shape) >= T * S or (T in shape and S in shape):
+      big.append(shape)
+  return big
+
+
+def _compiled_hlo(impl, opts):
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+  kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.float32)
+  opts = dict(opts)
+  arrays = {}
+  if "bias" in opts:
+    arrays["bias"] = jax.ShapeDtypeStruct(opts.pop("bias"), jnp.float32)
+  if "mask" in opts:
+    arrays["mask"] = jax.ShapeDtypeStruct(opts.pop("mask"), jnp.bool_)
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if name in opts:
+      arrays[name] = opts.pop(name)
+  f = jax.jit(lambda q, k, v, arrays: fast_attention(
+      q, k, v, return_residual=True, implementation=impl, **arrays, **opts))
+  return f.lower(q, kv, kv, arrays).compile().as_text()
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_fused_path_has_no_t_by_s_buffer(name, impl):
+  if tu.IMPL == "xla":
+    pytest.skip("the xla path materializes T x S by design")
+  hlo = _compiled_hlo(impl, OPTIONS[name])
+  assert tu.hlo_shapes(hlo), "could not parse any shape from the HLO"
+  assert _big_shapes(hlo) == [], f"T x S-sized buffers: {_big_shapes(hlo)}"
+
+
+@pytest.mark.parametrize("name", ["plain", "lengths"])
+def test_xla_path_does_have_one(name):
+  """Control: the scan finds the (B, N, T, S) logits of the xla path."""
+  assert _big_shapes(_compiled_hlo("xla", OPTIONS[name]))

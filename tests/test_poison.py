@@ -1,0 +1,81 @@
+"""The kernel writes every element of its outputs (no padded row, tile or
+head left unwritten).
+
+How the outputs are poisoned: ``jax.jit(..., donate_argnums=0,
+keep_unused=True)`` of a function that takes NaN-filled arrays of the
+output's shape and dtype (out and LSE) and returns ``fast_attention(...)``.
+XLA aliases each donated input with the result of the same shape
+(``input_output_alias`` in the HLO), and since the custom call is the root of
+the computation it writes straight into the donated NaN buffers. The test
+checks this premise instead of assuming it: the result buffers must be the
+poisoned buffers (``unsafe_buffer_pointer``) and the HLO must alias them.
+Any element the kernel does not write stays NaN and fails the check that
+out and LSE match the float64 reference everywhere (zeros / -inf in rows
+with no visible key included).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import fast_attention
+
+CASES = {
+    # Shapes off every plausible tile size, 3-D, head dim not a multiple of 8.
+    "odd_shapes": dict(B=3, T=97, S=1025, N=6, K=3, H=20),
+    "three_d": dict(B=None, T=130, S=7, N=2, K=1, H=100),
+    "tiny": dict(B=1, T=1, S=1, N=1, K=1, H=8),
+    # Padded query rows (0 < len < T and len = 0) and empty key sets.
+    "q_padding": dict(B=3, T=67, S=129, N=4, K=2, H=64,
+                      opts=dict(query_seq_lengths=(0, 5, 67),
+                                key_value_seq_lengths=(129, 0, 60))),
+    # Rows fully masked by the window / causal mask (T > S, right=0 window).
+    "masked_rows": dict(B=2, T=300, S=40, N=2, K=2, H=32,
+                        opts=dict(is_causal=True, local_window_size=(5, 0),
+                                  query_seq_lengths=(300, 250))),
+    "bf16_long_kv": dict(B=1, T=3, S=4096, N=4, K=1, H=128, dtype="bfloat16"),
+    "f16_mask": dict(B=2, T=33, S=65, N=2, K=1, H=40, dtype="float16",
+                     mask=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_output_element_is_written(name, rng, impl):
+  spec = dict(CASES[name])
+  opts = {k: (tu.lengths(v) if k.endswith("lengths") else v)
+          for k, v in spec.pop("opts", {}).items()}
+  dtype = tu.DTYPES[spec.pop("dtype", "float32")]
+  B = spec.pop("B")
+  with_mask = spec.pop("mask", False)
+  q, k, v = tu.qkv(rng, B or 1, dtype=dtype, batch=B is not None, **spec)
+  mask = None
+  if with_mask:  # half the keys of every row masked (some rows fully)
+    mask = tu.random_mask(rng, (q.shape[0], 1, q.shape[-3], k.shape[-3]), 0.5)
+
+  def attention(poison, q, k, v, mask):
+    del poison  # donated: its buffers become the outputs'
+    return fast_attention(q, k, v, mask=mask, return_residual=True,
+                          implementation=impl, **opts)
+
+  poisoned = jax.jit(attention, donate_argnums=0, keep_unused=True)
+  poison = (jnp.full(q.shape, jnp.nan, q.dtype),
+            jnp.full(q.shape[:-1], jnp.nan, jnp.float32))
+  hlo = poisoned.lower(poison, q, k, v, mask).compile().as_text()
+  assert "input_output_alias" in hlo, "premise: donated buffers alias the outputs"
+  pointers = [x.unsafe_buffer_pointer() for x in poison]
+  out, lse = poisoned(poison, q, k, v, mask)
+  assert [out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()] == pointers, (
+      "premise broken: the outputs are not the poisoned buffers")
+
+  out64, lse64 = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+  assert not np.isnan(out64).any(), f"{np.isnan(out64).sum()} output elements never written"
+  assert not np.isnan(lse64).any(), f"{np.isnan(lse64).sum()} LSE elements never written"
+  ref_out, ref_lse = tu.reference64(q, k, v, mask=mask, **opts)
+  name_ = tu.dtype_name(q)
+  assert tu.max_err(out, ref_out) <= 2 * tu.XLA_MAX_ERR[name_]
+  assert np.array_equal(np.isneginf(lse64), np.isneginf(ref_lse))
+  assert tu.max_err(lse, ref_lse) <= tu.LSE_ATOL[name_]
+  empty = np.isneginf(ref_lse)
+  assert np.all(out64[empty] == 0)
