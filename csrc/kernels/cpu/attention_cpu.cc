@@ -30,7 +30,9 @@
 // union of a block's ranges are never visited, slices skip tiles that none of their rows sees, and
 // within a tile each slice only touches the key span its rows see. Invisible scores are replaced
 // (selected) by -inf before the softmax, so a NaN or Inf in a score that is not visible never
-// reaches a sum, and keys at or beyond kv_lens[b] are never read.
+// reaches a sum; a value tile that holds a NaN or Inf is multiplied in with a guard that keeps
+// it out of the rows that do not see its key (pv_block); keys at or beyond kv_lens[b] are never
+// read.
 #include "attention_cpu.h"
 
 #include <algorithm>

@@ -48,9 +48,11 @@ struct AttentionParams {
 };
 
 // Computes out and lse. Query rows with no visible key (including rows at or
-// beyond q_lens[b]) get out = 0 and lse = -inf. Uses up to num_threads
-// threads (0: all CPUs this process may run on). Memory beyond inputs and
-// outputs is O((Br + Bc) * H) floats per thread, plus split-KV partials of
+// beyond q_lens[b]) get out = 0 and lse = -inf. A NaN or Inf in q, k or v
+// reaches only the rows that see it. Uses up to num_threads threads (0: all
+// CPUs this process may run on). Memory beyond inputs and outputs is
+// O((Br + Bc) * H) floats per thread (O(K * (T * N / K + 32) * H) on the
+// decode path, T * N / K <= 8), plus split-KV partials of
 // O(splits * T * N * H) floats when T is small and S long.
 void attention_forward_cpu(const AttentionParams& params, int num_threads = 0);
 
