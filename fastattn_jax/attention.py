@@ -78,21 +78,10 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   out_shape = query.shape
-  to_4d = lambda x: x if x is None else jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
-  q, k, v = (to_4d(x) if x.ndim == 3 else x for x in (query, key, value))
+  q, k, v = (x[None] if x.ndim == 3 else x for x in (query, key, value))
   dims = shapes.check_qkv(q, k, v)
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    if bias.ndim > 4:
-      shapes.check_broadcast_operand("bias", bias, dims)
-    bias = to_4d(bias)
-    shapes.check_broadcast_operand("bias", bias, dims)
-  if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.ndim > 4:
-      shapes.check_broadcast_operand("mask", mask, dims)
-    mask = to_4d(mask)
-    shapes.check_broadcast_operand("mask", mask, dims)
+  bias = _broadcast_operand("bias", bias, dims)
+  mask = _broadcast_operand("mask", mask, dims)
   q_lens = _seq_lengths("query_seq_lengths", query_seq_lengths, dims)
   kv_lens = _seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims)
   config = AttentionConfig(
@@ -123,6 +112,16 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     out, lse = _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
   out = out.reshape(out_shape)
   return (out, lse.reshape(out_shape[:-1])) if return_residual else out
+
+
+def _broadcast_operand(name, x, dims):
+  """A bias or mask as 4-D (B|1, N|1, T|1, S|1); missing leading dims become 1 (as in jax.nn)."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  shapes.check_broadcast_operand(name, x, dims)
+  return x
 
 
 def _seq_lengths(name, lengths, dims):
