@@ -9,8 +9,8 @@
   a GPU, e.g. ``JAX_PLATFORMS=cuda FASTATTN_TEST_IMPLEMENTATION=... pytest``.
 * Tests marked ``gpu`` skip with a reason when no GPU is present.
 
-Run from the repository root as ``pytest tests`` (not ``python -m pytest``,
-which would put the source tree ahead of the installed package).
+Run from the repository root as ``pytest tests`` once the package is
+installed (``make test`` does both).
 """
 
 import os
