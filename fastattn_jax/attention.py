@@ -136,10 +136,15 @@ def _seq_lengths(name, lengths, dims):
 
 
 def _choose_path(implementation, dtype) -> str:
-  """Checks ``implementation``; returns it, or "auto" for None."""
+  """Checks ``implementation``; returns it, or "auto" for None.
+
+  Whether a fused path fits the platform is checked when the computation is
+  lowered: only then is its platform known (arrays may sit on the CPU of a GPU
+  host).
+  """
   if implementation is None:
     return "auto"
-  backends.resolve_implementation(implementation)  # raises if unknown
+  backends.check_name(implementation)
   if implementation in backends.FUSED_PATHS and dtype == jnp.float64:
     raise TypeError(
         f"implementation={implementation!r} computes in float32, float16 or "

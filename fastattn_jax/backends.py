@@ -43,6 +43,14 @@ def implementations() -> tuple[str, ...]:
   return (*FUSED_PATHS, *OTHER_PATHS)
 
 
+def check_name(implementation: str) -> None:
+  """Raises ValueError unless ``implementation`` names a path."""
+  if implementation not in implementations():
+    raise ValueError(
+        f"implementation must be None or one of {implementations()}, got "
+        f"{implementation!r}")
+
+
 def default_path(platform: str) -> str:
   """The path ``implementation=None`` takes on a JAX platform ("cpu", "cuda")."""
   for name, (path_platform, _) in FUSED_PATHS.items():
@@ -70,10 +78,7 @@ def resolve_implementation(implementation: str | None = None,
   platform = backend or jax.default_backend()
   if implementation is None:
     return default_path(platform)
-  if implementation not in implementations():
-    raise ValueError(
-        f"implementation must be None or one of {implementations()}, got "
-        f"{implementation!r}")
+  check_name(implementation)
   if implementation in FUSED_PATHS and FUSED_PATHS[implementation][0] != platform:
     raise ValueError(
         f"implementation={implementation!r} runs on platform "

@@ -215,9 +215,11 @@ def check_call(q, k, v, bias=None, mask=None, *, implementation=None,
   empty = ~np.isfinite(ref_lse)
   assert np.all(np.asarray(out)[empty] == 0), "rows with no visible key must be 0"
   if compare_jax_nn and opts.get("logits_soft_cap") is None:
-    nn_out = jax.nn.dot_product_attention(
-        q, k, v, bias, mask,
-        **{k_: v_ for k_, v_ in opts.items() if k_ != "logits_soft_cap"})
+    # "highest": GPUs would otherwise run jax.nn's float32 matmuls in TF32.
+    with jax.default_matmul_precision("highest"):
+      nn_out = jax.nn.dot_product_attention(
+          q, k, v, bias, mask,
+          **{k_: v_ for k_, v_ in opts.items() if k_ != "logits_soft_cap"})
     rows = visible_rows(ref_lse)[..., None] & np.ones(q.shape[-1:], bool)
     tol = JAXNN_TOL[name]
     err_nn_ref = max_err(nn_out, ref_out, rows)
