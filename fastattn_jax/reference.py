@@ -75,11 +75,11 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
     visible = mask if visible is None else visible & mask
   if visible is not None:
     logits = jnp.where(visible, logits, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
   m = jnp.where(jnp.isneginf(m), 0, m)
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  l_safe = jnp.where(l > 0, l, 1)  # keeps empty rows (l = 0) free of NaN
+  l_safe = jnp.where(l == 0, 1, l)  # empty rows stay NaN-free; a NaN l stays NaN
   p = p / l_safe
   if kv_lens is not None:  # keys past the length are never read, even as 0 * v
     value = jnp.where(jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None],
@@ -87,6 +87,6 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S),
                    value.astype(acc), precision=jax.lax.Precision.HIGHEST)
   out = out.reshape(B, T, N, H).astype(query.dtype)
-  lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+  lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
   return out, jnp.transpose(lse, (0, 2, 1)).astype(acc)
 

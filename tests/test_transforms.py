@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import fa_testutil as tu
-from fastattn_jax import fast_attention
+from fastattn_jax import fast_attention, resolve_implementation
 
 B, T, S, N, K, H = 2, 19, 23, 4, 2, 16
 # Same computation, different batching/shapes: agreement up to float32
@@ -29,7 +29,10 @@ def test_jit_equals_eager_and_reference(qkv, rng, impl):
   eager = fast_attention(q, k, v, bias, implementation=impl, **opts)
   jitted = jax.jit(lambda q, k, v, b: fast_attention(q, k, v, b, implementation=impl,
                                                      **opts))(q, k, v, bias)
-  np.testing.assert_array_equal(eager, jitted)
+  if resolve_implementation(impl) == "xla":  # XLA may fuse differently under jit
+    np.testing.assert_allclose(eager, jitted, rtol=0, atol=1e-6)
+  else:
+    np.testing.assert_array_equal(eager, jitted)
   ref, _ = tu.reference64(q, k, v, bias, **opts)
   np.testing.assert_allclose(jitted, ref, atol=1e-5)
 
