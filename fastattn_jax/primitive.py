@@ -195,13 +195,8 @@ def _partitioned(path: str):
 # --- lowering ----------------------------------------------------------------
 
 def _lowering(ctx, *operands, config, platform):
-  path = config.implementation
-  if path == "auto":
-    path = backends.default_path(platform)
-  elif path in backends.FUSED_PATHS and backends.FUSED_PATHS[path][0] != platform:
-    raise ValueError(
-        f"fast_attention: implementation={path!r} cannot run on platform "
-        f"{platform!r}; use implementation=None to pick a path per platform")
+  requested = None if config.implementation == "auto" else config.implementation
+  path = backends.resolve_implementation(requested, backend=platform)
   backends.log_path_once(path, platform)
   if path in backends.FUSED_PATHS:
     if getattr(ctx.module_context.axis_context, "num_devices", None) == 1:
