@@ -20,6 +20,7 @@ except ImportError as err:
       "fastattn_jax's native extension (fastattn_jax._ffi) is missing: install "
       "the package with `pip install .` (a source checkout on sys.path, e.g. "
       "the current directory, shadows the installed package)") from err
+from fastattn_jax import cuda_kernels
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -28,14 +29,18 @@ logger = logging.getLogger("fastattn_jax")
 #: FFI target name).
 FUSED_PATHS = {
     "cpu": ("cpu", "fastattn_attention_fwd_cpu"),
+    **{name: ("cuda", "fastattn_attention_fwd_cuda") for name in cuda_kernels.PATHS},
 }
 #: Paths that need no kernel of ours.
 OTHER_PATHS = ("xla", "cudnn")
+#: Largest head dim of the CUDA kernels.
+CUDA_MAX_HEAD_DIM = cuda_kernels.HEAD_DIMS[-1]
 
-for _name, _capsule in _ffi.registrations().items():
-  jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+for _platform, _targets in _ffi.registrations().items():
+  for _name, _handler in _targets.items():
+    jax.ffi.register_ffi_target(_name, _handler, platform=_platform)
 
-_logged_paths: set[str] = set()
+_logged_paths: set[tuple[str, str]] = set()
 
 
 def implementations() -> tuple[str, ...]:
@@ -51,45 +56,84 @@ def check_name(implementation: str) -> None:
         f"{implementation!r}")
 
 
-def default_path(platform: str) -> str:
-  """The path ``implementation=None`` takes on a JAX platform ("cpu", "cuda")."""
-  for name, (path_platform, _) in FUSED_PATHS.items():
-    if path_platform == platform:
-      return name
+def _compute_capability() -> tuple[int, int]:
+  """(major, minor) of the first CUDA device."""
+  major, minor = str(jax.devices("cuda")[0].compute_capability).split(".")
+  return int(major), int(minor)
+
+
+def _cuda_path_for(capability: tuple[int, int]) -> str:
+  if capability >= (8, 0):
+    return "cuda_sm80"
+  return "cuda_sm75" if capability >= (7, 5) else "cuda_sm70"
+
+
+def default_path(platform: str, dtype=None, head_dim: int | None = None) -> str:
+  """The path ``implementation=None`` takes on a JAX platform ("cpu", "cuda").
+
+  On CUDA GPUs: the kernel path of the compute capability (7.0: "cuda_sm70",
+  7.5: "cuda_sm75", 8.0 and newer: "cuda_sm80"), except that float32 inputs
+  and head dims above 256 take "xla" (the kernels compute in 16-bit operands,
+  see ``cuda_kernels.operand_dtype``; float32 keeps jax.nn's numerics).
+  """
+  if platform == "cpu":
+    return "cpu"
+  if platform == "cuda":
+    if (dtype is not None and jnp.dtype(dtype) == jnp.float32) or (
+        head_dim is not None and head_dim > CUDA_MAX_HEAD_DIM):
+      return "xla"
+    return _cuda_path_for(_compute_capability())
   return "xla"
 
 
 def resolve_implementation(implementation: str | None = None,
-                           backend: str | None = None) -> str:
+                           backend: str | None = None, dtype=None,
+                           head_dim: int | None = None) -> str:
   """Names the path that serves ``fast_attention(..., implementation=...)``.
 
   Args:
     implementation: as passed to ``fast_attention`` (None: best available).
     backend: a JAX platform name ("cpu", "cuda", ...); default: the default
       backend, ``jax.default_backend()``.
+    dtype, head_dim: of the query, when known; they matter on GPUs (see
+      ``default_path``).
 
   Returns:
-    The path name, e.g. "cpu" or "xla" (float64 inputs always take "xla").
+    The path name, e.g. "cpu", "cuda_sm80" or "xla" (float64 inputs always
+    take "xla").
 
   Raises:
-    ValueError: for an unknown name, or a fused path whose platform is not
-      ``backend``.
+    ValueError: for an unknown name, a fused path whose platform is not
+      ``backend``, a CUDA path the GPU cannot run (``cuda_sm80`` needs compute
+      capability 8.0, ``cuda_sm75`` 7.5), or a head dim above 256 on a CUDA
+      path.
   """
   platform = backend or jax.default_backend()
   if implementation is None:
-    return default_path(platform)
+    return default_path(platform, dtype, head_dim)
   check_name(implementation)
   if implementation in FUSED_PATHS and FUSED_PATHS[implementation][0] != platform:
     raise ValueError(
         f"implementation={implementation!r} runs on platform "
         f"{FUSED_PATHS[implementation][0]!r}, but the computation targets "
         f"{platform!r}; use implementation=None to pick a path per platform")
+  if implementation in cuda_kernels.PATHS:
+    needed = divmod(cuda_kernels.PATHS[implementation], 10)
+    if _compute_capability() < needed:
+      raise ValueError(
+          f"implementation={implementation!r} needs a GPU of compute capability "
+          f"{needed[0]}.{needed[1]} or newer; this one is "
+          f"{'.'.join(map(str, _compute_capability()))} (use implementation=None)")
+    if head_dim is not None and head_dim > CUDA_MAX_HEAD_DIM:
+      raise ValueError(
+          f"implementation={implementation!r} supports head dims up to "
+          f"{CUDA_MAX_HEAD_DIM}, got H={head_dim}; use implementation=None or 'xla'")
   return implementation
 
 
 def log_path_once(path: str, platform: str) -> None:
-  if path not in _logged_paths:
-    _logged_paths.add(path)
+  if (path, platform) not in _logged_paths:
+    _logged_paths.add((path, platform))
     logger.info("fast_attention: using the %r path on %s", path, platform)
 
 
@@ -99,17 +143,27 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
 
   Absent optional operands are passed as empty arrays, which the handler reads
   as "none"; all options travel as one attribute dictionary that the handler
-  decodes into a struct.
+  decodes into a struct. The CUDA kernels take 16-bit q, k, v with H a
+  multiple of 32 and a float32 bias: converted and zero-padded here (zero
+  columns change neither q . k nor, once sliced off, the output).
   """
-  B, T, N, _ = q.shape
+  B, T, N, H = q.shape
   empty = lambda dtype: jnp.zeros((0,), dtype)
-  result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+  out_dtype = q.dtype
+  kernel_path = cuda_kernels.PATHS.get(path, 0)
+  if kernel_path:
+    op_dtype = cuda_kernels.operand_dtype(kernel_path, jnp.dtype(q.dtype).name)
+    pad = [(0, 0)] * 3 + [(0, cuda_kernels.kernel_head_dim(H) - H)]
+    q, k, v = (jnp.pad(x.astype(op_dtype), pad) for x in (q, k, v))
+    if bias is not None:
+      bias = bias.astype(jnp.float32)
+  result_types = (jax.ShapeDtypeStruct(q.shape, out_dtype),
                   jax.ShapeDtypeStruct((B, T, N), jnp.float32))
   left, right = config.window if config.window is not None else (-1, -1)
   call = jax.ffi.ffi_call(FUSED_PATHS[path][1], result_types)
-  return call(
+  out, lse = call(
       q, k, v,
-      empty(q.dtype) if bias is None else bias,
+      empty(jnp.float32 if kernel_path else q.dtype) if bias is None else bias,
       empty(jnp.bool_) if mask is None else mask,
       empty(jnp.int32) if q_lens is None else q_lens,
       empty(jnp.int32) if kv_lens is None else kv_lens,
@@ -118,4 +172,6 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
       is_causal=np.int64(config.is_causal),
       window_left=np.int64(left),
       window_right=np.int64(right),
+      kernel_path=np.int64(kernel_path),
   )
+  return out[..., :H], lse

@@ -196,7 +196,9 @@ def _partitioned(path: str):
 
 def _lowering(ctx, *operands, config, platform):
   requested = None if config.implementation == "auto" else config.implementation
-  path = backends.resolve_implementation(requested, backend=platform)
+  q_aval = ctx.avals_in[0]
+  path = backends.resolve_implementation(requested, backend=platform, dtype=q_aval.dtype,
+                                         head_dim=q_aval.shape[-1])
   backends.log_path_once(path, platform)
   if path in backends.FUSED_PATHS:
     if getattr(ctx.module_context.axis_context, "num_devices", None) == 1:

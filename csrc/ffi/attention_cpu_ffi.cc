@@ -5,31 +5,14 @@
 #include <tuple>
 #include <string>
 
+#include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
 #include "kernels/cpu/attention_cpu.h"
 
 namespace ffi = xla::ffi;
-
-namespace {
-
-// All options of one call, decoded from the custom call's attribute
-// dictionary (fastattn_jax/backends.py: fused_call).
-struct AttentionAttrs {
-  float scale;
-  float softcap;
-  int64_t is_causal;
-  int64_t window_left;
-  int64_t window_right;
-};
-
-}  // namespace
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(AttentionAttrs,
-                                      StructMember<float>("scale"),
-                                      StructMember<float>("softcap"),
-                                      StructMember<int64_t>("is_causal"),
-                                      StructMember<int64_t>("window_left"),
-                                      StructMember<int64_t>("window_right"));
+using fastattn::AttentionAttrs;
+using fastattn::BroadcastStrides;
+using fastattn::DimsString;
 
 namespace {
 
@@ -40,32 +23,6 @@ bool ToElementType(ffi::DataType dtype, fastattn::ElementType* out) {
     case ffi::DataType::BF16: *out = fastattn::ElementType::kBF16; return true;
     default: return false;
   }
-}
-
-std::string DimsString(ffi::Span<const int64_t> dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + ")";
-}
-
-// Element strides that broadcast a 4-D (b, n, t, s) operand to `full`, or an
-// error if a dim is neither 1 nor the full size.
-ffi::Error BroadcastStrides(const char* name, ffi::Span<const int64_t> dims,
-                            const int64_t full[4], int64_t strides[4]) {
-  if (dims.size() != 4) {
-    return ffi::Error::InvalidArgument(std::string(name) + " must be 4-D, got " +
-                                       DimsString(dims));
-  }
-  int64_t stride = 1;
-  for (int d = 3; d >= 0; --d) {
-    if (dims[d] != 1 && dims[d] != full[d]) {
-      return ffi::Error::InvalidArgument(std::string(name) + " of shape " + DimsString(dims) +
-                                         " does not broadcast to (B, N, T, S)");
-    }
-    strides[d] = dims[d] == 1 ? 0 : stride;
-    stride *= dims[d];
-  }
-  return ffi::Error::Success();
 }
 
 ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

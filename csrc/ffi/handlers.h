@@ -5,3 +5,7 @@
 
 // fastattn_attention_fwd_cpu: fused attention forward on the host.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionForwardCpu);
+// fastattn_attention_fwd_cuda, platform CUDA: the "initialize" stage finds or
+// builds the kernel, the "execute" stage launches it.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionForwardCudaInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionForwardCudaExecute);

@@ -1,0 +1,49 @@
+// The few CUDA driver API calls the kernel runtime needs, loaded with dlopen
+// from libcuda.so.1 at first use, so that building and importing
+// fastattn_jax needs no CUDA toolkit and no GPU.
+#pragma once
+
+#include <string>
+
+namespace fastattn::cuda {
+
+// Opaque driver handles, declared here instead of taken from cuda.h.
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using CUcontext = struct CUctx_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
+using CUstream = struct CUstream_st*;
+
+// Enum values from cuda.h (stable across driver versions).
+constexpr int kAttrMultiprocessorCount = 16;
+constexpr int kAttrComputeCapabilityMajor = 75;
+constexpr int kAttrComputeCapabilityMinor = 76;
+constexpr int kAttrMaxSharedMemoryPerBlockOptin = 97;
+constexpr int kFuncAttrMaxDynamicSharedSizeBytes = 8;
+
+struct Driver {
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
+  CUresult (*cuStreamGetCtx)(CUstream, CUcontext*);
+  CUresult (*cuCtxPushCurrent)(CUcontext);
+  CUresult (*cuCtxPopCurrent)(CUcontext*);
+  CUresult (*cuCtxGetDevice)(CUdevice*);
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuModuleGetGlobal)(CUdeviceptr*, size_t*, CUmodule, const char*);
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+  CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, unsigned, unsigned, CUstream, void**, void**);
+};
+
+// The loaded driver, or nullptr with *error set (no libcuda, or cuInit failed).
+const Driver* GetDriver(std::string* error);
+
+// "cuFoo failed: CUDA_ERROR_... (message)" for a failed call, "" for success.
+std::string DriverError(const Driver& d, CUresult rc, const char* what);
+
+}  // namespace fastattn::cuda

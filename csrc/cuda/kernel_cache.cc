@@ -1,0 +1,299 @@
+#include "cuda/kernel_cache.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "cuda/kernel_sources.h"
+#include "cuda/nvrtc.h"
+
+namespace fastattn::cuda {
+
+namespace {
+
+constexpr char kCommonHeader[] = "attention_common.cuh";
+constexpr char kMagic[8] = {'F', 'A', 'C', 'U', 'B', 'I', 'N', '1'};
+
+std::mutex cache_dir_mu;
+std::string cache_dir;
+
+uint64_t Fnv1a(const std::string& data, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : data) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::string Hex(uint64_t x) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
+const std::string* FindSource(const std::string& name) {
+  for (const auto& [file, text] : KernelSources()) {
+    if (file == name) return &text;
+  }
+  return nullptr;
+}
+
+std::string SourceFile(const KernelVariant& v) {
+  return v.path == 70 ? "attention_volta.cu" : "attention_mma16.cu";
+}
+
+std::vector<std::string> Options(const KernelVariant& v) {
+  return {"-std=c++17",
+          "--ptxas-options=-v",
+          "-lineinfo",
+          "-DFA_PATH=" + std::to_string(v.path),
+          "-DFA_HEAD_DIM=" + std::to_string(v.head_dim),
+          "-DFA_DTYPE=" + std::to_string(v.dtype),
+          "-DFA_OUT_DTYPE=" + std::to_string(v.out_dtype),
+          "-DFA_GENERAL=" + std::to_string(v.general)};
+}
+
+// Everything a cached module depends on; the file name is its hash and the
+// file repeats it in full, so a hash collision reads as a miss.
+std::string CacheKey(const KernelVariant& v, const std::string& arch, const std::string& nvrtc) {
+  std::string key = "fastattn_jax CUDA kernel\narch=" + arch + "\nnvrtc=" + nvrtc + "\noptions=";
+  for (const std::string& o : Options(v)) key += o + " ";
+  key += "\nsources=";
+  uint64_t h = Fnv1a("");
+  for (const auto& [file, text] : KernelSources()) h = Fnv1a(text, Fnv1a(file, h));
+  return key + Hex(h) + "\n";
+}
+
+// Entry file: magic, then three (u64 length, bytes) fields: key, log, cubin,
+// then the FNV-1a hash of everything before it.
+bool ReadEntry(const std::filesystem::path& file, const std::string& key, CompiledKernel* out) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return false;
+  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (data.size() < sizeof(kMagic) + 4 * 8 || std::memcmp(data.data(), kMagic, 8) != 0) {
+    return false;
+  }
+  uint64_t stored_hash;
+  std::memcpy(&stored_hash, data.data() + data.size() - 8, 8);
+  std::string body = data.substr(0, data.size() - 8);
+  if (Fnv1a(body) != stored_hash) return false;
+  size_t pos = sizeof(kMagic);
+  std::string fields[3];
+  for (std::string& f : fields) {
+    uint64_t len;
+    if (pos + 8 > body.size()) return false;
+    std::memcpy(&len, body.data() + pos, 8);
+    pos += 8;
+    if (len > body.size() - pos) return false;
+    f = body.substr(pos, len);
+    pos += len;
+  }
+  if (pos != body.size() || fields[0] != key || fields[2].empty()) return false;
+  out->log = std::move(fields[1]);
+  out->cubin = std::move(fields[2]);
+  return true;
+}
+
+// Written to a unique temporary file, then renamed over the entry: readers
+// see the old entry, the new one or none, never a partial one.
+void WriteEntry(const std::filesystem::path& file, const std::string& key,
+                const CompiledKernel& k) {
+  std::error_code ec;
+  std::filesystem::create_directories(file.parent_path(), ec);
+  static std::atomic<int> counter{0};
+  std::filesystem::path tmp = file;
+  tmp += ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter++);
+  std::string body(kMagic, sizeof(kMagic));
+  for (const std::string* f : {&key, &k.log, &k.cubin}) {
+    uint64_t len = f->size();
+    body.append(reinterpret_cast<const char*>(&len), 8);
+    body += *f;
+  }
+  uint64_t h = Fnv1a(body);
+  body.append(reinterpret_cast<const char*>(&h), 8);
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out.write(body.data(), body.size()) || !out.flush()) {
+      std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s\n",
+                   tmp.c_str());
+      out.close();
+      std::filesystem::remove(tmp, ec);
+      return;
+    }
+  }
+  std::filesystem::rename(tmp, file, ec);
+  if (ec) {
+    std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s: %s\n",
+                 file.c_str(), ec.message().c_str());
+    std::filesystem::remove(tmp, ec);
+  }
+}
+
+// Says what is being compiled if the compile is still running after a second,
+// so a long first run does not look hung.
+class SlowCompileNotice {
+ public:
+  explicit SlowCompileNotice(std::string what)
+      : thread_([this, what = std::move(what)] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) {
+            std::fprintf(stderr, "fastattn_jax: compiling %s (once; cached on disk)...\n",
+                         what.c_str());
+          }
+        }) {}
+  ~SlowCompileNotice() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::string KernelVariant::Describe() const {
+  static const char* names[] = {"f16", "bf16", "f32"};
+  return "sm" + std::to_string(path) + " H=" + std::to_string(head_dim) + " " +
+         names[dtype] + "->" + names[out_dtype] + (general ? " general" : " plain");
+}
+
+std::string KernelVariant::Check() const {
+  if (path != 70 && path != 75 && path != 80) return "path must be 70, 75 or 80";
+  if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
+    return "head_dim must be a multiple of 32 in [32, 256]";
+  }
+  if (dtype != 0 && !(dtype == 1 && path == 80)) return "bfloat16 operands need path 80";
+  if (out_dtype < 0 || out_dtype > 2) return "out_dtype must be 0, 1 or 2";
+  if (general != 0 && general != 1) return "general must be 0 or 1";
+  return "";
+}
+
+void SetCacheDir(std::string dir) {
+  std::lock_guard<std::mutex> lock(cache_dir_mu);
+  cache_dir = std::move(dir);
+}
+
+bool GetCompiledKernel(const KernelVariant& v, const std::string& arch, CompiledKernel* out,
+                       std::string* error) {
+  if (std::string why = v.Check(); !why.empty()) {
+    *error = "invalid kernel variant " + v.Describe() + ": " + why;
+    return false;
+  }
+  std::string nvrtc = NvrtcVersionFor(arch, error);
+  if (nvrtc.empty()) return false;
+  const std::string key = CacheKey(v, arch, nvrtc);
+  std::filesystem::path file;
+  {
+    std::lock_guard<std::mutex> lock(cache_dir_mu);
+    if (!cache_dir.empty()) file = std::filesystem::path(cache_dir) / (Hex(Fnv1a(key)) + ".cubin");
+  }
+  out->nvrtc = nvrtc;
+  if (!file.empty() && ReadEntry(file, key, out)) {
+    out->from_cache = true;
+    out->seconds = 0;
+    return true;
+  }
+  const std::string* source = FindSource(SourceFile(v));
+  const std::string* common = FindSource(kCommonHeader);
+  if (!source || !common) {
+    *error = "the extension was built without the CUDA kernel source " + SourceFile(v);
+    return false;
+  }
+  auto start = std::chrono::steady_clock::now();
+  CompileResult r;
+  {
+    SlowCompileNotice notice(v.Describe() + " for " + arch + " with NVRTC " + nvrtc);
+    r = NvrtcCompile(arch, *source, SourceFile(v), {{kCommonHeader, *common}}, Options(v));
+  }
+  if (!r.ok) {
+    *error = r.log;
+    return false;
+  }
+  out->cubin = std::move(r.cubin);
+  out->log = std::move(r.log);
+  out->from_cache = false;
+  out->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!file.empty()) WriteEntry(file, key, *out);
+  return true;
+}
+
+const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
+                                    const KernelVariant& v, std::string* error) {
+  static std::mutex mu;
+  static std::map<std::pair<CUcontext, std::string>, std::unique_ptr<LoadedKernel>> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  auto id = std::make_pair(context, v.Describe());
+  if (auto it = loaded.find(id); it != loaded.end()) return it->second.get();
+
+  if (CUresult rc = d.cuCtxPushCurrent(context); rc != 0) {
+    *error = DriverError(d, rc, "cuCtxPushCurrent");
+    return nullptr;
+  }
+  auto kernel = std::make_unique<LoadedKernel>();
+  std::string err = [&]() -> std::string {
+    CUdevice dev;
+    int major = 0, minor = 0, smem_optin = 0;
+    if (auto rc = d.cuCtxGetDevice(&dev)) return DriverError(d, rc, "cuCtxGetDevice");
+    d.cuDeviceGetAttribute(&major, kAttrComputeCapabilityMajor, dev);
+    d.cuDeviceGetAttribute(&minor, kAttrComputeCapabilityMinor, dev);
+    d.cuDeviceGetAttribute(&smem_optin, kAttrMaxSharedMemoryPerBlockOptin, dev);
+    const std::string arch = "sm_" + std::to_string(major * 10 + minor);
+    CompiledKernel compiled;
+    std::string e;
+    if (!GetCompiledKernel(v, arch, &compiled, &e)) return e;
+    CUmodule module;
+    if (auto rc = d.cuModuleLoadData(&module, compiled.cubin.data())) {
+      return DriverError(d, rc, "cuModuleLoadData");
+    }
+    if (auto rc = d.cuModuleGetFunction(&kernel->function, module, "fa_forward")) {
+      return DriverError(d, rc, "cuModuleGetFunction(fa_forward)");
+    }
+    CUdeviceptr config;
+    size_t bytes = 0;
+    int launch[3];
+    if (auto rc = d.cuModuleGetGlobal(&config, &bytes, module, "fa_launch")) {
+      return DriverError(d, rc, "cuModuleGetGlobal(fa_launch)");
+    }
+    if (bytes != sizeof(launch)) return "fa_launch must be int[3]";
+    if (auto rc = d.cuMemcpyDtoH(launch, config, sizeof(launch))) {
+      return DriverError(d, rc, "cuMemcpyDtoH(fa_launch)");
+    }
+    kernel->block_m = launch[0], kernel->threads = launch[1], kernel->smem_bytes = launch[2];
+    if (kernel->smem_bytes > smem_optin) {
+      return v.Describe() + " needs " + std::to_string(kernel->smem_bytes) +
+             " bytes of shared memory per block; " + arch + " allows " +
+             std::to_string(smem_optin);
+    }
+    if (kernel->smem_bytes > 48 * 1024) {
+      if (auto rc = d.cuFuncSetAttribute(kernel->function, kFuncAttrMaxDynamicSharedSizeBytes,
+                                         kernel->smem_bytes)) {
+        return DriverError(d, rc, "cuFuncSetAttribute(max dynamic shared memory)");
+      }
+    }
+    return "";
+  }();
+  CUcontext popped;
+  d.cuCtxPopCurrent(&popped);
+  if (!err.empty()) {
+    *error = err;
+    return nullptr;
+  }
+  return loaded.emplace(id, std::move(kernel)).first->second.get();
+}
+
+}  // namespace fastattn::cuda

@@ -1,0 +1,183 @@
+// XLA FFI handlers of the fused CUDA attention (platform "CUDA").
+//
+// Two stages: "initialize" runs before each execution and outside any CUDA
+// graph capture, and finds or builds the kernel for the stream's device
+// (NVRTC compile, disk cache, module load: csrc/cuda/kernel_cache.cc);
+// "execute" only fills FaParams and launches on XLA's stream, so it is safe
+// to capture into a command buffer.
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include "cuda/driver.h"
+#include "cuda/kernel_cache.h"
+#include "ffi/attention_attrs.h"
+#include "ffi/handlers.h"
+#include "kernels/cuda/attention_common.cuh"
+
+namespace ffi = xla::ffi;
+using fastattn::AttentionAttrs;
+using fastattn::BroadcastStrides;
+using fastattn::DimsString;
+namespace cu = fastattn::cuda;
+
+namespace {
+
+int DtypeCode(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F16: return 0;
+    case ffi::DataType::BF16: return 1;
+    case ffi::DataType::F32: return 2;
+    default: return -1;
+  }
+}
+
+// Checks the operands, fills the parameters and picks the variant.
+ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
+                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
+                   ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
+                   const AttentionAttrs& attrs, FaParams* p, cu::KernelVariant* variant) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("query, key and value must be 4-D");
+  }
+  *p = FaParams{};
+  p->B = qd[0], p->T = qd[1], p->N = qd[2], p->H = qd[3];
+  p->S = kd[1], p->K = kd[2];
+  if (kd[0] != p->B || kd[3] != p->H || p->K == 0 || p->N % p->K != 0 ||
+      !std::equal(vd.begin(), vd.end(), kd.begin())) {
+    return ffi::Error::InvalidArgument("query " + DimsString(qd) + " and key " + DimsString(kd) +
+                                       " do not fit (B, T, N, H) x (B, S, K, H)");
+  }
+  variant->path = static_cast<int>(attrs.kernel_path);
+  variant->head_dim = p->H;
+  variant->dtype = DtypeCode(q.element_type());
+  variant->out_dtype = DtypeCode(out.element_type());
+  variant->general = bias.element_count() > 0 || mask.element_count() > 0 || attrs.softcap > 0;
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      variant->dtype > 1 || variant->out_dtype < 0) {
+    return ffi::Error::InvalidArgument(
+        "CUDA attention takes float16 or bfloat16 query, key and value of one dtype and "
+        "writes float16, bfloat16 or float32");
+  }
+  if (std::string why = variant->Check(); !why.empty()) {
+    return ffi::Error::InvalidArgument("CUDA attention kernel " + variant->Describe() + ": " + why);
+  }
+  p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
+  p->out = out.untyped_data();
+  p->lse = lse.typed_data();
+  const int64_t full[4] = {p->B, p->N, p->T, p->S};
+  int64_t strides[4];
+  if (bias.element_count() > 0) {
+    if (auto err = BroadcastStrides("bias", bias.dimensions(), full, strides); err.failure()) {
+      return err;
+    }
+    std::copy(strides, strides + 4, p->bias_strides);
+    p->bias = bias.typed_data();
+  }
+  if (mask.element_count() > 0) {
+    if (auto err = BroadcastStrides("mask", mask.dimensions(), full, strides); err.failure()) {
+      return err;
+    }
+    std::copy(strides, strides + 4, p->mask_strides);
+    p->mask = reinterpret_cast<const unsigned char*>(mask.typed_data());
+  }
+  for (auto [lens, dst, name] : {std::tuple{&q_lens, &p->q_lens, "query_seq_lengths"},
+                                 std::tuple{&kv_lens, &p->kv_lens, "key_value_seq_lengths"}}) {
+    if (lens->element_count() == 0) continue;
+    if (lens->element_count() != static_cast<size_t>(p->B)) {
+      return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,)");
+    }
+    *dst = lens->typed_data();
+  }
+  p->scale = attrs.scale;
+  p->softcap = attrs.softcap;
+  p->causal = attrs.is_causal != 0;
+  p->window_left = static_cast<int>(attrs.window_left);
+  p->window_right = static_cast<int>(attrs.window_right);
+  return ffi::Error::Success();
+}
+
+// The kernel for the device of `stream`, built if needed.
+ffi::Error Kernel(cu::CUstream stream, const cu::KernelVariant& variant,
+                  const cu::Driver** driver, const cu::LoadedKernel** kernel) {
+  std::string error;
+  *driver = cu::GetDriver(&error);
+  if (!*driver) return ffi::Error::Internal(error);
+  cu::CUcontext context;
+  if (auto rc = (*driver)->cuStreamGetCtx(stream, &context)) {
+    return ffi::Error::Internal(cu::DriverError(**driver, rc, "cuStreamGetCtx"));
+  }
+  *kernel = cu::GetLoadedKernel(**driver, context, variant, &error);
+  return *kernel ? ffi::Error::Success() : ffi::Error::Internal(error);
+}
+
+ffi::Error InitializeImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
+                          ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
+                          ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::ResultBuffer<ffi::F32> lse, AttentionAttrs attrs) {
+  FaParams p;
+  cu::KernelVariant variant;
+  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &p, &variant);
+      err.failure()) {
+    return err;
+  }
+  const cu::Driver* driver;
+  const cu::LoadedKernel* kernel;
+  return Kernel(stream, variant, &driver, &kernel);
+}
+
+ffi::Error ExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
+                       ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                       AttentionAttrs attrs) {
+  FaParams p;
+  cu::KernelVariant variant;
+  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &p, &variant);
+      err.failure()) {
+    return err;
+  }
+  const cu::Driver* driver;
+  const cu::LoadedKernel* kernel;
+  if (auto err = Kernel(stream, variant, &driver, &kernel); err.failure()) return err;
+  const cu::LoadedKernel& kn = *kernel;
+  if (p.B == 0 || p.N == 0 || p.T == 0) return ffi::Error::Success();
+  const int64_t blocks = (int64_t{p.T} + kn.block_m - 1) / kn.block_m * p.N * p.B;
+  if (blocks > INT32_MAX) {
+    return ffi::Error::InvalidArgument("CUDA attention: ceil(T / " + std::to_string(kn.block_m) +
+                                       ") * N * B = " + std::to_string(blocks) +
+                                       " thread blocks exceed the grid limit");
+  }
+  void* args[] = {&p};
+  if (auto rc = driver->cuLaunchKernel(kn.function, static_cast<unsigned>(blocks), 1, 1,
+                                       kn.threads, 1, 1, kn.smem_bytes, stream, args, nullptr)) {
+    return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuLaunchKernel(fa_forward)"));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define FASTATTN_CUDA_BINDING(stage)                      \
+  ffi::Ffi::Bind<stage>()                                \
+      .Ctx<ffi::PlatformStream<cu::CUstream>>()          \
+      .Arg<ffi::AnyBuffer>()         /* query */         \
+      .Arg<ffi::AnyBuffer>()         /* key */           \
+      .Arg<ffi::AnyBuffer>()         /* value */         \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* bias or empty */ \
+      .Arg<ffi::Buffer<ffi::PRED>>() /* mask or empty */ \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* query lengths */ \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths */   \
+      .Ret<ffi::AnyBuffer>()         /* out */           \
+      .Ret<ffi::Buffer<ffi::F32>>()  /* lse */           \
+      .Attrs<AttentionAttrs>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCudaInitialize, InitializeImpl,
+                              FASTATTN_CUDA_BINDING(ffi::ExecutionStage::kInitialize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCudaExecute, ExecuteImpl,
+                              FASTATTN_CUDA_BINDING(ffi::ExecutionStage::kExecute),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,163 @@
+// What every CUDA attention kernel shares: the launch parameters, the
+// tiling-mask (which keys a row block can see), the logit transform and
+// float <-> 16-bit conversions.
+//
+// Compiled two ways: by NVRTC as part of a kernel (no CUDA headers: the
+// conversions are inline PTX), and by the host compiler for the layout of
+// FaParams, which the FFI handler fills and passes as the kernel's one
+// argument. Keep this file free of includes.
+//
+// Compile-time options of a kernel (NVRTC -D flags, set by
+// csrc/cuda/kernel_cache.cc):
+//   FA_PATH       70 (mma.m8n8k4), 75 (mma.m16n8k8), 80 (mma.m16n8k16)
+//   FA_HEAD_DIM   32, 64, ..., 256: the head dim H (the caller pads H up to it)
+//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_PATH 80 only)
+//   FA_OUT_DTYPE  out element: 0 float16, 1 bfloat16, 2 float32
+//   FA_GENERAL    1: bias, mask and soft cap are compiled in (each still off
+//                 when its FaParams field is null / 0); 0: none of them
+//
+// Each kernel source defines
+//   extern "C" __global__ void fa_forward(const FaParams p);
+//   extern "C" __constant__ int fa_launch[3];  // {block_m, threads, smem bytes}
+// and is launched with grid.x = ceil(T / block_m) * N * B, block.x = threads
+// and fa_launch[2] bytes of dynamic shared memory.
+#pragma once
+
+#ifndef __CUDACC_RTC__
+#include <cstdint>
+static_assert(sizeof(long long) == 8 && sizeof(void*) == 8, "64-bit only");
+#endif
+
+// All pointers are device pointers to contiguous row-major arrays.
+struct FaParams {
+  const void* q;       // (B, T, N, H)
+  const void* k;       // (B, S, K, H)
+  const void* v;       // (B, S, K, H)
+  void* out;           // (B, T, N, H), written everywhere
+  float* lse;          // (B, T, N): natural-log LSE of the final logits; -inf
+                       // for a row that sees no key
+  const float* bias;   // broadcast to (B, N, T, S) by bias_strides; or null
+  const unsigned char* mask;  // bool, broadcast by mask_strides; or null
+  const int* q_lens;   // (B,): rows >= q_lens[b] see no key; or null
+  const int* kv_lens;  // (B,): keys >= kv_lens[b] are never read; or null
+  long long bias_strides[4];  // element strides for b, n, t, s (0: broadcast)
+  long long mask_strides[4];
+  int B, T, S, N, K, H;       // query head n reads key/value head n / (N / K)
+  float scale;                // multiplies q . k
+  float softcap;              // > 0: logit = softcap * tanh(logit / softcap)
+  int causal;                 // key j visible to row i only if j <= i
+  int window_left;            // >= 0: key j visible only if j >= i - left
+  int window_right;           // >= 0: key j visible only if j <= i + right
+};
+
+#ifdef __CUDACC_RTC__
+
+#define FA_NEG_INF __int_as_float(0xff800000)
+
+// Row i of batch b sees key j iff i < q_len, j < kv_len (and j < S), the
+// causal and window bounds hold, and mask[b, n, i, j] is true. The final
+// logit of a visible key is
+//   x = scale * (q_i . k_j);  x = softcap * tanh(x / softcap) if softcap > 0;
+//   x += bias[b, n, i, j]
+// and the output row is softmax(x) . V over the visible keys; a row with no
+// visible key gets 0 and LSE -inf.
+
+__device__ __forceinline__ int fa_q_len(const FaParams& p, int b) {
+  return p.q_lens ? min(max(p.q_lens[b], 0), p.T) : p.T;
+}
+
+__device__ __forceinline__ int fa_kv_len(const FaParams& p, int b) {
+  return p.kv_lens ? min(max(p.kv_lens[b], 0), p.S) : p.S;
+}
+
+// Keys [*lo, *hi) hold every key that any row of [m0, m1) can see (index
+// rules only; the mask can hide more). Empty when *lo >= *hi.
+__device__ __forceinline__ void fa_key_range(const FaParams& p, int b, int m0,
+                                             int m1, int* lo, int* hi) {
+  int l = 0, h = fa_kv_len(p, b);
+  m1 = min(m1, fa_q_len(p, b));
+  if (m1 <= m0) h = 0;
+  if (p.causal) h = min(h, m1);
+  if (p.window_right >= 0) h = min((long long)h, (long long)m1 - 1 + p.window_right + 1);
+  if (p.window_left >= 0) l = max((long long)l, (long long)m0 - p.window_left);
+  *lo = l;
+  *hi = h;
+}
+
+// True when every (row, key) of [m0, m1) x [n0, n1) passes the index rules,
+// so the tile needs no elementwise masking (the mask, if any, still applies).
+__device__ __forceinline__ bool fa_tile_all_visible(const FaParams& p, int b,
+                                                    int m0, int m1, int n0,
+                                                    int n1) {
+  if (m1 > fa_q_len(p, b) || n1 > fa_kv_len(p, b)) return false;
+  if (p.causal && n1 - 1 > m0) return false;
+  if (p.window_right >= 0 && (long long)n1 - 1 > (long long)m0 + p.window_right) return false;
+  if (p.window_left >= 0 && (long long)n0 < (long long)m1 - 1 - p.window_left) return false;
+  return true;
+}
+
+// The index rules for one (row, key) pair.
+__device__ __forceinline__ bool fa_visible(const FaParams& p, int q_len,
+                                           int kv_len, int i, int j) {
+  if (i >= q_len || j >= kv_len) return false;
+  if (p.causal && j > i) return false;
+  if (p.window_right >= 0 && (long long)j > (long long)i + p.window_right) return false;
+  if (p.window_left >= 0 && (long long)j < (long long)i - p.window_left) return false;
+  return true;
+}
+
+// The logit of a visible (row i, key j) from the raw q . k; -inf if masked.
+// Only for FA_GENERAL kernels; the plain path is x * scale.
+__device__ __forceinline__ float fa_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fa_general_logit(const FaParams& p, float qk,
+                                                  int b, int n, int i, int j) {
+  float x = qk * p.scale;
+  if (p.softcap > 0.f) x = p.softcap * fa_tanh(x / p.softcap);
+  if (p.bias) {
+    x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] +
+                i * p.bias_strides[2] + j * p.bias_strides[3]];
+  }
+  if (p.mask && !p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] +
+                        i * p.mask_strides[2] + j * p.mask_strides[3]]) {
+    x = FA_NEG_INF;
+  }
+  return x;
+}
+
+// ---- conversions (inline PTX; NVRTC sees no cuda_fp16.h) ----
+
+// Two floats to one 32-bit register of two float16 (lo in the low half).
+__device__ __forceinline__ unsigned fa_pack_f16(float lo, float hi) {
+  unsigned r;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("{\n .reg .f16 a, b;\n cvt.rn.f16.f32 a, %1;\n cvt.rn.f16.f32 b, %2;\n"
+      " mov.b32 %0, {a, b};\n}" : "=r"(r) : "f"(lo), "f"(hi));
+#endif
+  return r;
+}
+
+// Two floats to one 32-bit register of two bfloat16 (sm_80+).
+__device__ __forceinline__ unsigned fa_pack_bf16(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float fa_f16_to_f32(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ float fa_bf16_to_f32(unsigned short h) {
+  return __uint_as_float(((unsigned)h) << 16);
+}
+
+#endif  // __CUDACC_RTC__

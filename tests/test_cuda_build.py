@@ -1,0 +1,103 @@
+"""The CUDA kernels compile with NVRTC on a machine without a GPU, and the
+kernel cache is safe: every shipped variant for sm_70, sm_75, sm_80, sm_86 and
+sm_90 (register spills fail the main variants), concurrent processes filling
+one cache, and a corrupt entry rebuilt.
+
+NVRTC comes from PyPI (``nvidia-cuda-nvrtc-cu12``, in the ``test`` extra),
+which targets sm_70..sm_90 with no GPU or toolkit.
+"""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import _ffi, cuda_kernels, precompile
+
+ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
+@pytest.fixture
+def cache(tmp_path):
+  """An empty kernel cache for this test (restored afterwards)."""
+  _ffi.set_cache_dir(str(tmp_path))
+  yield tmp_path
+  _ffi.set_cache_dir(cuda_kernels.cache_dir())
+
+
+def _main_variant(v: cuda_kernels.Variant, arch: str) -> bool:
+  """The variants that must not spill: the path the arch picks itself, no
+  bias/mask/softcap, H <= 128."""
+  return v.path == max(cuda_kernels.paths_for_arch(arch)) and not v.general and v.head_dim <= 128
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_shipped_variant_compiles(arch, cache):
+  if tu.has_gpu():
+    pytest.skip("CPU-only check (a GPU machine compiles for its own arch in the GPU suite)")
+  variants = cuda_kernels.shipped_variants(arch)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    results = list(pool.map(lambda v: (v, v.compile(arch)), variants))
+  spilling = [f"{v}: {precompile.spills(r['log'])} bytes" for v, r in results
+              if precompile.spills(r["log"]) and _main_variant(v, arch)]
+  assert not spilling, "register spills in main variants:\n" + "\n".join(spilling)
+  assert all(r["cubin_bytes"] > 0 and not r["from_cache"] for _, r in results)
+  assert len(os.listdir(cache)) == len(variants)
+
+
+def _compile_in_subprocess(cache_dir):
+  code = (
+      "from fastattn_jax import _ffi, cuda_kernels as ck\n"
+      f"_ffi.set_cache_dir({str(cache_dir)!r})\n"
+      "r = ck.Variant(75, 64, 'float16', 'float16', False).compile('sm_75')\n"
+      "print(r['from_cache'])\n")
+  return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def test_concurrent_processes_share_the_cache(cache):
+  procs = [_compile_in_subprocess(cache) for _ in range(4)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+  entries = os.listdir(cache)
+  assert len(entries) == 1 and entries[0].endswith(".cubin"), entries  # no temp files left
+  assert _compile_in_subprocess(cache).communicate(timeout=300)[0].strip() == "True"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_corrupt_entry_is_rebuilt(cache, damage):
+  v = cuda_kernels.Variant(80, 32, "float16", "float32", True)
+  first = v.compile("sm_80")
+  assert not first["from_cache"] and v.compile("sm_80")["from_cache"]
+  (entry,) = cache.iterdir()
+  data = bytearray(entry.read_bytes())
+  if damage == "truncate":
+    data = data[: len(data) // 2]
+  elif damage == "flip":
+    data[len(data) // 2] ^= 0xFF
+  else:
+    data = bytearray()
+  entry.write_bytes(bytes(data))
+  rebuilt = v.compile("sm_80")
+  assert not rebuilt["from_cache"] and rebuilt["cubin_bytes"] == first["cubin_bytes"]
+  assert v.compile("sm_80")["from_cache"]
+
+
+def test_unknown_arch_and_bad_variant_raise(cache):
+  with pytest.raises(RuntimeError, match="sm_30"):
+    cuda_kernels.Variant(70, 64, "float16", "float16", False).compile("sm_30")
+  with pytest.raises(RuntimeError, match="head_dim"):
+    cuda_kernels.Variant(80, 48, "float16", "float16", False).compile("sm_80")
+  with pytest.raises(RuntimeError, match="bfloat16"):
+    cuda_kernels.Variant(75, 64, "bfloat16", "float16", False).compile("sm_75")
+
+
+def test_precompile_cli(cache, monkeypatch, capsys):
+  monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache))
+  assert precompile.main(["--arch", "sm_75", "--head-dims", "64", "--dtypes", "float16"]) == 0
+  assert "4 ready (4 compiled" in capsys.readouterr().out
+  assert precompile.main(["--arch", "75", "--head-dims", "40", "--dtypes", "float16"]) == 0
+  assert "4 ready (0 compiled, 4 already cached)" in capsys.readouterr().out
