@@ -55,9 +55,23 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     logits_soft_cap: optional static float c > 0, applied to the scaled
       logits before the bias and the masks.
     return_residual: also return the log-sum-exp of the visible logits.
-    implementation: None (the best path for the platform: "cpu" on CPUs, else
-      "xla"), "xla" (plain JAX, materializes T x S), "cpu" (the fused CPU
-      kernel) or "cudnn" (delegates to ``jax.nn.dot_product_attention``).
+    implementation: None (the best path for the platform and inputs: "cpu"
+      on CPUs; on NVIDIA GPUs the kernel of the compute capability, "cuda_sm70"
+      (7.x below 7.5), "cuda_sm75" (7.5) or "cuda_sm80" (8.0 and newer), for
+      float16 and bfloat16 inputs with H <= 256, else "xla"), "xla" (plain JAX,
+      materializes T x S), "cpu" (the fused CPU kernel), "cuda_sm70" /
+      "cuda_sm75" / "cuda_sm80" (force one CUDA kernel: mma.m8n8k4,
+      mma.m16n8k8 or mma.m16n8k16 with cp.async; a GPU runs its own path and
+      the older ones) or "cudnn" (delegates to ``jax.nn.dot_product_attention``).
+      The CUDA kernels multiply in float16 or bfloat16 with float32
+      accumulation and softmax: float32 inputs (and bfloat16 inputs on the
+      sm70 / sm75 paths, whose tensor cores lack bfloat16) are rounded to
+      float16 for the products, so magnitudes above 65504 overflow there; the
+      output keeps the input dtype. They are compiled at first use by NVRTC
+      for the GPU at hand and cached on disk (``fastattn_jax.cuda_kernels``).
+      A NaN in a value row reaches, on the CUDA and xla paths, the rows that
+      share its key tile (0 * NaN inside the product), not only the rows that
+      see it.
 
   Returns:
     out, query's shape and dtype; with ``return_residual`` also the LSE, shape
@@ -68,7 +82,10 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Raises:
     ValueError: on shapes that do not fit (named with their shapes), negative
       window sizes, non-positive soft caps, an unknown implementation or one
-      that cannot run on the current platform.
+      that cannot run on the current platform or GPU, or H > 256 on a CUDA
+      path.
+    RuntimeError: (at the first run on a GPU) when no NVRTC can compile the
+      kernel; the message says what to install.
     TypeError: on dtypes that do not fit, or traced values where static ones
       are needed (scale, local_window_size, logits_soft_cap).
 

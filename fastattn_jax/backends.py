@@ -109,6 +109,9 @@ def resolve_implementation(implementation: str | None = None,
       path.
   """
   platform = backend or jax.default_backend()
+  if platform == "gpu":  # jax.default_backend()'s name for CUDA and ROCm alike
+    version = jax.devices("gpu")[0].client.platform_version.lower()
+    platform = "rocm" if "rocm" in version else "cuda"
   if implementation is None:
     return default_path(platform, dtype, head_dim)
   check_name(implementation)

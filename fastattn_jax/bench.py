@@ -101,13 +101,30 @@ def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
   return make
 
 
-def competitors(platform_name: str) -> list[Competitor]:
-  """fast_attention first, then what it is compared with on this platform."""
-  fast_path = resolve_implementation(backend=platform_name)
-  return [
+def _forced(path: str) -> Callable[[Case], Callable]:
+  def make(case: Case) -> Callable:
+    return functools.partial(fast_attention, is_causal=case.causal, implementation=path)
+  return make
+
+
+def competitors(platform_name: str, dtype: str) -> list[Competitor]:
+  """fast_attention first, then what it is compared with on this platform.
+
+  On GPUs: jax.nn with "xla" and "cudnn", and fast_attention forced onto the
+  Turing path ("cuda_sm75") where the default is the sm_80 path, to time the
+  older kernel on the same silicon.
+  """
+  backend = "cuda" if platform_name == "gpu" else platform_name
+  fast_path = resolve_implementation(backend=backend, dtype=dtype)
+  comps = [
       Competitor(SUBJECT, _fast, materializes_logits=fast_path == "xla"),
       Competitor("xla", _jax_nn("xla"), materializes_logits=True),
   ]
+  if backend == "cuda":
+    comps.append(Competitor("cudnn", _jax_nn("cudnn"), materializes_logits=False))
+    if fast_path == "cuda_sm80":
+      comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"), materializes_logits=False))
+  return comps
 
 
 def cpu_grid(dtype: str, seq_lens, decode_lens) -> list[Case]:
@@ -117,6 +134,15 @@ def cpu_grid(dtype: str, seq_lens, decode_lens) -> list[Case]:
            for n in seq_lens for causal in (False, True)]
   cases += [Case(1, 1, s, 8, 8, 64, False, dtype) for s in decode_lens]
   return cases
+
+
+def gpu_grid(dtype: str, seq_lens, decode_lens) -> list[Case]:
+  """The issue's GPU grid: B * S = 16384 and N * H = 2048 for H in {64, 128},
+  T = S, causal and not, in float16 and bfloat16 (``dtype`` "both")."""
+  del decode_lens  # decode is issue 4's benchmark
+  dtypes = ("bfloat16", "float16") if dtype == "both" else (dtype,)
+  return [Case(16384 // n, n, n, 2048 // h, 2048 // h, h, causal, dt)
+          for dt in dtypes for h in (64, 128) for n in seq_lens for causal in (False, True)]
 
 
 class Grid(NamedTuple):
@@ -133,6 +159,8 @@ class Grid(NamedTuple):
 GRIDS = {
     "cpu": Grid(cpu_grid, "float32", seq_lens=(512, 1024, 2048, 4096, 8192, 16384, 32768),
                 decode_lens=(4096, 32768), quick_seq_lens=(128, 256), quick_decode_lens=(512,)),
+    "gpu": Grid(gpu_grid, "both", seq_lens=(512, 1024, 2048, 4096, 8192, 16384),
+                decode_lens=(), quick_seq_lens=(512, 1024), quick_decode_lens=()),
 }
 
 
@@ -159,38 +187,49 @@ def _memory(compiled) -> dict:
   return {f: int(getattr(analysis, f)) for f in fields if hasattr(analysis, f)}
 
 
-def time_compiled(compiled, args, time_budget_s: float, max_repeats: int):
-  """Median seconds per call after one warm-up call; returns (seconds, calls timed).
+def time_compiled(compiled, args, time_budget_s: float, max_repeats: int,
+                  calls_per_loop: int = 1):
+  """Median seconds per call after warm-up; returns (seconds, loops timed).
 
-  Times as many calls as fit in ``time_budget_s`` (judged by the warm-up),
+  Each timed loop issues ``calls_per_loop`` calls and waits for the last (on
+  GPUs, 20: the launches queue up, so host dispatch stays out of the time).
+  Times as many loops as fit in ``time_budget_s`` (judged by the warm-up),
   at least 1 and at most ``max_repeats``.
   """
-  start = time.perf_counter()
-  jax.block_until_ready(compiled(*args))
-  warmup = time.perf_counter() - start
-  repeats = max(1, min(max_repeats, int(time_budget_s / warmup)))
-  times = []
-  for _ in range(repeats):
+  def loop():
     start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), repeats
+    for _ in range(calls_per_loop):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls_per_loop
+
+  loop()
+  warmup = loop() * calls_per_loop
+  repeats = max(1, min(max_repeats, int(time_budget_s / warmup)))
+  return statistics.median(loop() for _ in range(repeats)), repeats
 
 
 def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
-             time_budget_s: float, max_repeats: int) -> dict:
+             time_budget_s: float, max_repeats: int, calls_per_loop: int = 1) -> dict:
   args = _inputs(case)
   results = {}
   for comp in comps:
-    compiled = jax.jit(comp.make(case)).lower(*args).compile()
-    result = {"memory": _memory(compiled), "skipped": None}
+    result = {"memory": {}, "skipped": None}
+    results[comp.name] = result
+    try:
+      compiled = jax.jit(comp.make(case)).lower(*args).compile()
+    except Exception as err:  # e.g. cuDNN refusing a shape: report, go on
+      result["skipped"] = f"does not run: {str(err).splitlines()[0][:120]}"
+      continue
+    result["memory"] = _memory(compiled)
     if comp.materializes_logits and case.logits_bytes() > budget_bytes:
       result["skipped"] = (f"its {case.logits_bytes() / 2**30:.1f} GiB float32 logits "
                            f"exceed the {budget_bytes / 2**30:.1f} GiB budget")
     else:
-      seconds, repeats = time_compiled(compiled, args, time_budget_s, max_repeats)
+      seconds, repeats = time_compiled(compiled, args, time_budget_s, max_repeats,
+                                       calls_per_loop)
       result.update(ms=seconds * 1e3, repeats=repeats, gflops=case.flops() / seconds / 1e9)
-    results[comp.name] = result
+    del compiled
   speedup = {name: r["ms"] / results[SUBJECT]["ms"] for name, r in results.items()
              if name != SUBJECT and "ms" in r}
   return {"case": dataclasses.asdict(case), "flops": case.flops(),
@@ -204,20 +243,21 @@ def _format_bytes(n: int) -> str:
   return f"{n} B"
 
 
-def format_table(rows: list[dict], names: list[str]) -> str:
+def format_table(rows: list[dict], names: list[str], unit: str = "GFLOP/s") -> str:
+  scale = 1e3 if unit == "TFLOP/s" else 1.0
   others = [n for n in names if n != SUBJECT]
-  header = ["B", "T", "S", "N", "H", "causal"]
+  header = ["dtype", "B", "T", "S", "N", "H", "causal"]
   for name in names:
-    header += [f"{name} ms", f"{name} GFLOP/s"]
+    header += [f"{name} ms", f"{name} {unit}"]
   header += [f"speedup vs {n}" for n in others]
   header += [f"{name} temp mem" for name in names]
   lines = []
   for row in rows:
     c = row["case"]
-    cells = [c["B"], c["T"], c["S"], c["N"], c["H"], "yes" if c["causal"] else "no"]
+    cells = [c["dtype"], c["B"], c["T"], c["S"], c["N"], c["H"], "yes" if c["causal"] else "no"]
     for name in names:
       r = row["results"][name]
-      cells += ([f"{r['ms']:.2f}", f"{r['gflops']:.1f}"] if "ms" in r else ["skip", "-"])
+      cells += ([f"{r['ms']:.3f}", f"{r['gflops'] / scale:.1f}"] if "ms" in r else ["skip", "-"])
     cells += [f"{row['speedup'][n]:.2f}x" if n in row["speedup"] else "-" for n in others]
     cells += [_format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
               for n in names]
@@ -282,7 +322,8 @@ def environment() -> dict:
       "device": f"{kind} ({jax.device_count()} device(s), {os.cpu_count()} CPU cores)",
       "jax": jax.__version__,
       "fastattn_jax": fastattn_jax.__version__,
-      "fastattn_path": resolve_implementation(),
+      "fastattn_path": resolve_implementation(
+          dtype="float32" if device.platform == "cpu" else "bfloat16"),
       "python": platform.python_version(),
   }
 
@@ -297,8 +338,8 @@ def main(argv=None) -> None:
       description="Times fast_attention against jax.nn.dot_product_attention.")
   parser.add_argument("--quick", action="store_true", help="tiny grid (smoke test)")
   parser.add_argument("--out", default="bench_results", help="output directory")
-  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                      help="input dtype (default: the platform grid's)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "both"),
+                      help="input dtype (default: the platform grid's; GPU: both 16-bit types)")
   parser.add_argument("--seq-lens", type=_int_list, help="T = S values, comma-separated")
   parser.add_argument("--decode-lens", type=_int_list,
                       help="S values of the T = 1 rows, comma-separated ('' for none)")
@@ -320,9 +361,11 @@ def main(argv=None) -> None:
   dtype = args.dtype or grid.dtype
   budget = (memory_budget(jax.devices()[0]) if args.memory_budget is None
             else int(args.memory_budget * 2**30))
-  comps = competitors(env["platform"])
+  gpu = env["platform"] == "gpu"
+  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype)
   names = [c.name for c in comps]
   cases = grid.cases(dtype, seq_lens, decode_lens)
+  unit = "TFLOP/s" if gpu else "GFLOP/s"
 
   env.update(dtype=dtype, memory_budget_gib=round(budget / 2**30, 2))
   for key, value in env.items():
@@ -331,11 +374,12 @@ def main(argv=None) -> None:
 
   rows = []
   for case in tqdm(cases, desc="bench", unit="shape", file=sys.stderr):
-    rows.append(run_case(case, comps, budget, args.time_budget, args.max_repeats))
+    rows.append(run_case(case, comps, budget, args.time_budget, args.max_repeats,
+                         calls_per_loop=20 if gpu else 1))
 
   print()
-  print(format_table(rows, names))
-  print("GFLOP/s = 4*B*N*H*(visible query-key pairs) / time: causal counts only the "
+  print(format_table(rows, names, unit))
+  print(f"{unit} = 4*B*N*H*(visible query-key pairs) / time: causal counts only the "
         "visible pairs (about half).")
   os.makedirs(args.out, exist_ok=True)
   json_path = os.path.join(args.out, "bench.json")

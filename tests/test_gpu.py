@@ -1,7 +1,14 @@
 """GPU paths. Skipped (with the reason) without a GPU; on a GPU machine run
 the whole suite with ``JAX_PLATFORMS=cuda`` and, to force a path,
 ``FASTATTN_TEST_IMPLEMENTATION=<name>`` (every other test file then exercises
-that path through the ``impl`` fixture)."""
+that path through the ``impl`` fixture). This file checks what is specific to
+the GPU: the path choice, every CUDA path on the device at hand, command
+buffers, and kernels found again by a fresh process that loads its executable
+from JAX's persistent compilation cache."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,16 +16,56 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import fast_attention, implementations, resolve_implementation
+from fastattn_jax import cuda_kernels, fast_attention, implementations, resolve_implementation
 
 pytestmark = pytest.mark.gpu
 
+CUDA_PATHS = list(cuda_kernels.PATHS)
+
+
+def _capability():
+  return tuple(int(x) for x in str(jax.devices("gpu")[0].compute_capability).split("."))
+
+
+def _runnable(path):
+  if _capability() < divmod(cuda_kernels.PATHS[path], 10):
+    pytest.skip(f"{path} needs a newer GPU than compute capability {_capability()}")
+
 
 def test_default_path_on_gpu(rng):
-  path = resolve_implementation(None, backend="cuda")
-  q, k, v = tu.qkv(rng, 2, 97, 128, 4, 2, 64)
+  cc = _capability()
+  expected = "cuda_sm80" if cc >= (8, 0) else "cuda_sm75" if cc >= (7, 5) else "cuda_sm70"
+  assert resolve_implementation(None, backend="cuda", dtype=jnp.bfloat16) == expected
+  assert resolve_implementation(None, backend="cuda", dtype=jnp.float16, head_dim=64) == expected
+  assert resolve_implementation(None, backend="cuda", dtype=jnp.float32) == "xla"
+  assert resolve_implementation(None, backend="cuda", dtype=jnp.float16, head_dim=288) == "xla"
+  q, k, v = tu.qkv(rng, 2, 97, 128, 4, 2, 64, jnp.float16)
   tu.check_call(q, k, v, is_causal=True, implementation=None)
-  assert path in implementations() and path != "cpu"
+  assert expected in implementations()
+
+
+@pytest.mark.parametrize("path", CUDA_PATHS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("case", [
+    dict(B=2, T=97, S=130, N=4, K=2, H=64, opts=dict(is_causal=True)),
+    dict(B=1, T=1, S=1000, N=8, K=1, H=128, opts={}),
+    dict(B=3, T=64, S=64, N=2, K=2, H=40, opts=dict(local_window_size=(7, 3))),
+    dict(B=2, T=33, S=77, N=2, K=1, H=256, opts=dict(logits_soft_cap=5.0, bias=True)),
+    dict(B=2, T=70, S=90, N=3, K=3, H=96,
+         opts=dict(mask=True, query_seq_lengths=(70, 9), key_value_seq_lengths=(0, 41))),
+])
+def test_cuda_path(rng, path, dtype, case):
+  _runnable(path)
+  opts = dict(case["opts"])
+  q, k, v = tu.qkv(rng, case["B"], case["T"], case["S"], case["N"], case["K"], case["H"],
+                   tu.DTYPES[dtype])
+  bias = mask = None
+  if opts.pop("bias", False):
+    bias = tu.random_bias(rng, (case["B"], case["N"], case["T"], case["S"]))
+  if opts.pop("mask", False):
+    mask = tu.random_mask(rng, (case["B"], 1, case["T"], case["S"]))
+  opts = {k_: (tu.lengths(v_) if k_.endswith("lengths") else v_) for k_, v_ in opts.items()}
+  tu.check_call(q, k, v, bias, mask, implementation=path, **opts)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -38,3 +85,60 @@ def test_cpu_path_refused_on_gpu(rng):
   q, k, v = (jax.device_put(x, jax.devices("gpu")[0]) for x in tu.qkv(rng, 1, 8, 8, 2, 2, 16))
   with pytest.raises(ValueError, match="implementation='cpu'"):
     jax.jit(lambda q, k, v: fast_attention(q, k, v, implementation="cpu")).lower(q, k, v)
+
+
+def test_head_dim_over_256_refused_on_cuda_path(rng):
+  q = jnp.zeros((1, 4, 1, 288), jnp.float16)
+  with pytest.raises(ValueError, match="H=288"):
+    jax.jit(lambda q: fast_attention(q, q, q, implementation="cuda_sm75")).lower(q)
+
+
+def test_many_calls_in_one_loop(rng):
+  """A scan of attention calls (command buffers / CUDA graphs capture the
+  execute stage; kernels are loaded in the initialize stage)."""
+  q, k, v = tu.qkv(rng, 1, 64, 256, 4, 2, 64, jnp.float16)
+
+  def step(x, _):
+    return fast_attention(x, k, v, is_causal=True).astype(x.dtype), None
+
+  out, _ = jax.jit(lambda x: jax.lax.scan(step, x, None, length=8))(q)
+  expected = q
+  for _ in range(8):
+    expected = fast_attention(expected, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                             atol=2e-2)
+
+
+_FRESH_PROCESS = """
+import sys, jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+from fastattn_jax import fast_attention
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.standard_normal((2, 80, 4, 64)), jnp.float16) for _ in range(3))
+out = jax.jit(lambda q, k, v: fast_attention(q, k, v, is_causal=True))(q, k, v)
+np.save(sys.argv[2], np.asarray(out, np.float32))
+print("HITS", len(hits))
+"""
+
+
+def test_fresh_process_from_persistent_compilation_cache(tmp_path):
+  """The second process loads the executable from JAX's cache and has an empty
+  kernel cache: the FFI handler must rebuild the kernel on its own."""
+  jax_cache = tmp_path / "jax_cache"
+  outs, hits = [], []
+  for run in range(2):
+    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / f"kernels{run}"))
+    r = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(jax_cache),
+                        str(tmp_path / f"out{run}.npy")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hits.append(int(r.stdout.split("HITS")[1]))
+    outs.append(np.load(tmp_path / f"out{run}.npy"))
+    assert os.listdir(tmp_path / f"kernels{run}"), "the kernel was not built into the cache"
+  assert hits[1] >= 1, "premise: the second process loads from the persistent cache"
+  np.testing.assert_array_equal(outs[0], outs[1])
