@@ -215,11 +215,14 @@ def check_call(q, k, v, bias=None, mask=None, *, implementation=None,
   assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
   assert lse.shape == q.shape[:-1] and lse.dtype == jnp.float32, (lse.shape, lse.dtype)
   ref_out, ref_lse = reference64(q, k, v, bias, mask, **opts)
-  tol_name = name if computed == name else computed
-  assert_accepted(out, xout, ref_out, OUT_ATOL[tol_name], XLA_MAX_ERR[tol_name],
-                  f"output ({name}, computed in {computed})")
-  assert_accepted(lse, xlse, ref_lse, LSE_ATOL[tol_name], max(LSE_ATOL[name], XLA_MAX_ERR[tol_name]),
-                  f"LSE ({name}, computed in {computed})")
+  if computed == name:
+    assert_accepted(out, xout, ref_out, OUT_ATOL[name], XLA_MAX_ERR[name], f"output ({name})")
+    assert_accepted(lse, xlse, ref_lse, LSE_ATOL[name], LSE_ATOL[name], f"LSE ({name})")
+  else:  # the reference sees the unrounded inputs: xla's error includes the rounding
+    assert_accepted(out, xout, ref_out, max(OUT_ATOL[name], OUT_ATOL[computed]),
+                    2 * XLA_MAX_ERR[computed], f"output ({name}, computed in {computed})")
+    assert_accepted(lse, xlse, ref_lse, LSE_ATOL[computed], 2 * XLA_MAX_ERR[computed],
+                    f"LSE ({name}, computed in {computed})")
   empty = ~np.isfinite(ref_lse)
   assert np.all(np.asarray(out)[empty] == 0), "rows with no visible key must be 0"
   if compare_jax_nn and opts.get("logits_soft_cap") is None:
@@ -246,6 +249,13 @@ def _run(impl, jit, q, k, v, bias, mask, opts):
   if jit:
     f = jax.jit(f)
   return f(q, k, v, bias, mask)
+
+
+def ref_atol(name: str = "float32", implementation=IMPL) -> float:
+  """atol of a direct comparison of a moderate-size output with the float64
+  reference: 1e-5 for float32, or the atol of the dtype the path actually
+  multiplies in (CUDA paths: float16) when that is narrower."""
+  return max(OUT_ATOL[name], OUT_ATOL[computed_dtype(implementation, name)] * 3)
 
 
 def computed_dtype(implementation, name: str) -> str:

@@ -143,11 +143,21 @@ __device__ __forceinline__ unsigned fa_pack_f16(float lo, float hi) {
   return r;
 }
 
-// Two floats to one 32-bit register of two bfloat16 (sm_80+).
+// Two floats to one 32-bit register of two bfloat16, rounded to nearest
+// even (before sm_80, which has no bf16 conversion, in integer arithmetic).
 __device__ __forceinline__ unsigned fa_pack_bf16(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
   unsigned r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#else
+  auto one = [](float f) -> unsigned {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN stays NaN
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  };
+  return one(lo) | (one(hi) << 16);
+#endif
 }
 
 __device__ __forceinline__ float fa_f16_to_f32(unsigned short h) {

@@ -1,0 +1,533 @@
+// Fused forward attention on 16-bit tensor cores: FA_PATH 80 (mma.m16n8k16,
+// fp16/bf16, cp.async pipeline) and FA_PATH 75 (fp16, each k16 step issued as
+// two mma.m16n8k8, global loads staged through registers).
+//
+// Each block owns Br query rows of one (batch, head) and walks the key tiles
+// [lo, hi) that the tiling-mask says it can see, Bc keys at a time. Each warp
+// owns 16 * kMt of the rows: S = Q K^T lands in mma accumulators, the online
+// softmax runs on them in float32 (log2 domain, so one ex2 per logit), and
+// they are repacked in registers as the A operand of P V. Only tiles that
+// straddle a causal / window / length edge pay for per-element masking.
+//
+// Shared memory rows are padded by 16 bytes: a row of H 16-bit values is then
+// an odd number of 16-byte chunks apart from the next, so the 8 row addresses
+// of an ldmatrix hit 8 distinct bank groups for every H that is a multiple
+// of 16, where an XOR swizzle would need H / 8 to be a power of two.
+#include "attention_common.cuh"
+
+#if FA_PATH != 75 && FA_PATH != 80
+#error "attention_mma16.cu serves FA_PATH 75 and 80"
+#endif
+#if FA_PATH == 75 && FA_DTYPE != 0
+#error "FA_PATH 75 is float16 only"
+#endif
+
+namespace {
+
+constexpr int kH = FA_HEAD_DIM;
+constexpr bool kPath75 = FA_PATH == 75;
+static_assert(kH % 32 == 0 && kH >= 32 && kH <= 256, "head dim");
+constexpr int kRowBytes = kH * 2 + 16;  // padded smem row
+constexpr int kChunks = kH / 8;         // 16-byte chunks per row
+
+// Tile shape. Two m-tiles per warp halve the K/V shared-memory reads per
+// flop (each B fragment feeds two mma), which matters once ldmatrix
+// bandwidth, not the tensor cores, is the limit; it costs accumulators, so
+// only small head dims get it. Large head dims keep Q in shared memory and
+// reload its fragments, as Q + O registers would not fit.
+#if FA_PATH == 80
+constexpr int kWarps = kH <= 128 ? 8 : 4;
+constexpr int kMt = 1;
+constexpr bool kQReg = kH <= 128;
+constexpr int kStages = 2;
+#if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
+constexpr int kSmemBudget = 163 * 1024;
+#elif __CUDA_ARCH__ >= 900
+constexpr int kSmemBudget = 227 * 1024;
+#else
+constexpr int kSmemBudget = 99 * 1024;  // sm_86 / sm_89
+#endif
+#else
+constexpr int kWarps = 4;
+constexpr int kMt = 1;
+constexpr bool kQReg = kH <= 128;
+constexpr int kStages = 1;              // the next tile waits in registers
+constexpr int kSmemBudget = 64 * 1024;  // T4
+#endif
+
+constexpr int kThreads = kWarps * 32;
+constexpr int kBr = kWarps * 16 * kMt;
+__host__ __device__ constexpr int smem_for(int bc) { return (kBr + kStages * 2 * bc) * kRowBytes; }
+// Bc: as wide as registers allow (S and, on path 75, the prefetched tile
+// grow with it), then as shared memory allows.
+constexpr int kBcMax = kPath75 ? (kH <= 64 ? 64 : kH <= 160 ? 32 : 16)
+                             : (kH <= 128 ? 64 : 32);
+constexpr int kBc = kBcMax >= 64 && smem_for(64) <= kSmemBudget ? 64
+                  : kBcMax >= 32 && smem_for(32) <= kSmemBudget ? 32 : 16;
+static_assert(smem_for(kBc) <= kSmemBudget, "tile does not fit");
+constexpr int kSmem = smem_for(kBc);
+constexpr int kKs = kH / 16;   // k16 steps of Q K^T
+constexpr int kNs = kBc / 8;   // n8 tiles of S
+constexpr int kNo = kH / 8;    // n8 tiles of O
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct alignas(16) U4 {
+  unsigned x, y, z, w;
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
+  unsigned r;
+  asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
+      : "=r"(r) : "l"(ptr));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// c += a (16x16, row) * b (16x8, col) in float32.
+__device__ __forceinline__ void mma16(float (&c)[4], const unsigned (&a)[4],
+                                      unsigned b0, unsigned b1) {
+#if FA_PATH == 80
+#if FA_DTYPE == 1
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+#else
+  // The k16 fragments split into two k8 ones: (a0, a1, b0) then (a2, a3, b1).
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b0));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ unsigned pack_in(float lo, float hi) {
+#if FA_DTYPE == 1
+  return fa_pack_bf16(lo, hi);
+#else
+  return fa_pack_f16(lo, hi);
+#endif
+}
+
+
+#if FA_PATH == 80
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src,
+                                           bool valid) {
+  // src-size 0 writes zeros without touching global memory: keys past the
+  // length (possibly garbage) and rows past T are never read.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+#endif
+
+// A rows x H tile of a (B, L, heads, H) array starting at row r0, rows >= rmax
+// zero; ld is the row stride in elements.
+struct TileSrc {
+  const unsigned short* base;  // element (b, r0, head, 0)
+  int ld;
+  int rows_valid;              // rows [0, rows_valid) exist
+};
+
+#if FA_PATH == 80
+template <int ROWS>
+__device__ __forceinline__ void tile_async(unsigned dst, const TileSrc& s,
+                                           int tid) {
+#pragma unroll
+  for (int i = 0; i < (ROWS * kChunks + kThreads - 1) / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    if (ROWS * kChunks % kThreads != 0 && c >= ROWS * kChunks) break;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < s.rows_valid;
+    // 32-bit offsets: a tile spans < 2^31 elements, and 64-bit ones per
+    // chunk would pin dozens of registers across the loop.
+    const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
+    cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
+  }
+}
+#endif
+
+// Global -> registers -> shared, for the path without cp.async.
+template <int ROWS>
+struct TileRegs {
+  static constexpr int kN = (ROWS * kChunks + kThreads - 1) / kThreads;
+  U4 v[kN];
+  __device__ __forceinline__ void load(const TileSrc& s, int tid) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      int c = tid + i * kThreads;
+      const int r = c / kChunks, ch = c % kChunks;
+      v[i] = U4{0, 0, 0, 0};
+      if (c < ROWS * kChunks && r < s.rows_valid)
+        v[i] = *reinterpret_cast<const U4*>(s.base + r * s.ld + ch * 8);
+    }
+  }
+  __device__ __forceinline__ void store(unsigned char* dst, int tid) const {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      int c = tid + i * kThreads;
+      if (c < ROWS * kChunks)
+        *reinterpret_cast<U4*>(dst + (c / kChunks) * kRowBytes +
+                               (c % kChunks) * 16) = v[i];
+    }
+  }
+};
+
+}  // namespace
+
+extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmem};
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    fa_forward(const FaParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  // Consecutive blocks share (b, n), so the K/V they stream hit L2 together;
+  // causal row blocks go heaviest first to shorten the tail.
+  const int num_m = (p.T + kBr - 1) / kBr;
+  int mb = blockIdx.x % num_m;
+  const int bn = blockIdx.x / num_m;
+  const int n = bn % p.N, b = bn / p.N;
+  if (p.causal) mb = num_m - 1 - mb;
+  const int m0 = mb * kBr;
+  const int kvh = n / (p.N / p.K);
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+
+  int lo, hi;
+  fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
+  // This warp's rows: tiles it cannot see at all are skipped, tiles it sees
+  // whole skip the elementwise mask.
+  const int w0 = m0 + warp * 16 * kMt, w1 = w0 + 16 * kMt;
+  int wlo, whi;
+  fa_key_range(p, b, w0, w1, &wlo, &whi);
+  const int t_begin = lo / kBc;
+  const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
+
+  const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
+  const unsigned short* kbase =
+      static_cast<const unsigned short*>(p.k) + (long long)b * p.S * ld_kv + kvh * kH;
+  const unsigned short* vbase =
+      static_cast<const unsigned short*>(p.v) + (long long)b * p.S * ld_kv + kvh * kH;
+  auto kv_src = [&](const unsigned short* base, int tile) {
+    int j0 = tile * kBc;
+    return TileSrc{base + j0 * ld_kv, (int)ld_kv, kv_len - j0};
+  };
+
+  const unsigned sbase = smem_u32(smem);
+  const unsigned sq = sbase;
+  auto sk = [&](int st) { return sbase + (kBr + st * 2 * kBc) * kRowBytes; };
+  auto sv = [&](int st) { return sk(st) + kBc * kRowBytes; };
+
+  // Per-lane ldmatrix offsets (see the mma fragment layouts): Q as A
+  // (row = lane % 16, col half = lane / 16), K as B non-transposed (key =
+  // lane % 8 + 8 * (lane / 16), col half = (lane / 8) % 2), V as B transposed
+  // (key = lane % 16, col half = lane / 16).
+  const unsigned q_off =
+      (warp * 16 * kMt + (lane & 15)) * kRowBytes + (lane >> 4) * 16;
+  const unsigned k_off =
+      ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + ((lane >> 3) & 1) * 16;
+  const unsigned v_off = (lane & 15) * kRowBytes + (lane >> 4) * 16;
+
+  float o[kMt][kNo][4];
+  float row_m[kMt][2], row_l[kMt][2];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+    for (int i = 0; i < kNo; ++i)
+      o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    row_m[mt][0] = row_m[mt][1] = FA_NEG_INF;
+    row_l[mt][0] = row_l[mt][1] = 0.f;
+  }
+  unsigned qf[kQReg ? kMt : 1][kQReg ? kKs : 1][4];
+  [[maybe_unused]] const float scale_log2 = p.scale * kLog2e;
+
+  if (t_end > t_begin) {
+    const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
+                           ((long long)b * p.T + m0) * ld_q + n * kH,
+                       (int)ld_q, p.T - m0};
+#if FA_PATH == 80
+    tile_async<kBr>(sq, qsrc, tid);
+    tile_async<kBc>(sk(0), kv_src(kbase, t_begin), tid);
+    tile_async<kBc>(sv(0), kv_src(vbase, t_begin), tid);
+    cp_async_commit();
+#else
+    {
+      TileRegs<kBr> rq;
+      rq.load(qsrc, tid);
+      rq.store(smem, tid);
+      TileRegs<kBc> rk;
+      rk.load(kv_src(kbase, t_begin), tid);
+      rk.store(smem + (sk(0) - sbase), tid);
+      rk.load(kv_src(vbase, t_begin), tid);
+      rk.store(smem + (sv(0) - sbase), tid);
+    }
+    __syncthreads();
+#endif
+
+    for (int tile = t_begin; tile < t_end; ++tile) {
+      const int n0 = tile * kBc;
+      const bool has_next = tile + 1 < t_end;
+#if FA_PATH == 80
+      const int st = (tile - t_begin) & 1;
+      if (has_next) {
+        tile_async<kBc>(sk(st ^ 1), kv_src(kbase, tile + 1), tid);
+        tile_async<kBc>(sv(st ^ 1), kv_src(vbase, tile + 1), tid);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+#else
+      const int st = 0;
+      // Path 75 has no cp.async: the next tile's loads are issued before this
+      // tile's math and land in shared memory after it (registers allowing).
+      constexpr bool kPrefetch = kH <= 192;
+      TileRegs<kBc> nk;
+      if (kPrefetch && has_next) nk.load(kv_src(kbase, tile + 1), tid);
+#endif
+      if constexpr (kQReg) {
+        if (tile == t_begin) {
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < kKs; ++kk)
+              ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, qf[mt][kk]);
+        }
+      }
+      const bool warp_sees = n0 < whi && n0 + kBc > wlo;
+      float s[kMt][kNs][4];
+      if (warp_sees) {
+        // S = Q K^T
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+          for (int i = 0; i < kNs; ++i)
+            s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKs; ++kk) {
+          unsigned a[kMt][4];
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt) {
+            if constexpr (kQReg) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[mt][e] = qf[mt][kk][e];
+            } else {
+              ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, a[mt]);
+            }
+          }
+#pragma unroll
+          for (int np = 0; np < kNs / 2; ++np) {
+            unsigned bk[4];
+            ldsm_x4(sk(st) + k_off + np * 16 * kRowBytes + kk * 32, bk);
+#pragma unroll
+            for (int mt = 0; mt < kMt; ++mt) {
+              mma16(s[mt][2 * np], a[mt], bk[0], bk[1]);
+              mma16(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+            }
+          }
+        }
+
+        // Logits (log2 domain) and the online softmax. Boundary tiles mask
+        // in a separate pass so that whole tiles pay nothing for it: each
+        // row's visible keys are one interval [jlo, jhi) under the index
+        // rules, so an element costs two compares.
+        const bool all_vis = fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc);
+        if (!all_vis) {
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = w0 + mt * 16 + g + h * 8;
+              long long jhi = i < q_len ? kv_len : 0, jlo = 0;
+              if (p.causal) jhi = min(jhi, (long long)i + 1);
+              if (p.window_right >= 0) jhi = min(jhi, (long long)i + p.window_right + 1);
+              if (p.window_left >= 0) jlo = (long long)i - p.window_left;
+              const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
+#pragma unroll
+              for (int nt = 0; nt < kNs; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int jj = nt * 8 + 2 * t4 + e;  // key - n0
+                  if (jj < lo_i || jj >= hi_i) s[mt][nt][2 * h + e] = FA_NEG_INF;
+                }
+            }
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = w0 + mt * 16 + g + h * 8;
+            float mx = FA_NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float x = s[mt][nt][2 * h + e];
+#if FA_GENERAL
+                // Masked keys stay -inf; bias / mask are read only for
+                // visible (i, j), the only ones in bounds.
+                if (x != FA_NEG_INF)
+                  x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kLog2e;
+#else
+                x *= scale_log2;
+#endif
+                s[mt][nt][2 * h + e] = x;
+                mx = fmaxf(mx, x);
+              }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(row_m[mt][h], mx);
+            // A row with nothing visible yet keeps every exponent at -inf:
+            // subtract 0 rather than -inf so they give 0, not NaN.
+            const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
+            const float alpha = ex2(row_m[mt][h] - m_use);
+            row_m[mt][h] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float pe = ex2(s[mt][nt][2 * h + e] - m_use);
+                s[mt][nt][2 * h + e] = pe;
+                sum += pe;
+              }
+            }
+            // Per-thread partial sums; the quad reduces once at the end.
+            row_l[mt][h] = row_l[mt][h] * alpha + sum;
+#pragma unroll
+            for (int i2 = 0; i2 < kNo; ++i2) {
+              o[mt][i2][2 * h] *= alpha;
+              o[mt][i2][2 * h + 1] *= alpha;
+            }
+          }
+        }
+      }
+
+#if FA_PATH == 75
+      __syncthreads();  // every warp is done with K
+      TileRegs<kBc> nv;
+      if (has_next) {
+        if (!kPrefetch) nk.load(kv_src(kbase, tile + 1), tid);
+        nk.store(smem + (sk(0) - sbase), tid);
+        if (kPrefetch) nv.load(kv_src(vbase, tile + 1), tid);
+      }
+#endif
+
+      if (warp_sees) {
+        // O += P V, P straight from the S accumulators.
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+          unsigned pa[kMt][4];
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt) {
+            pa[mt][0] = pack_in(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            pa[mt][1] = pack_in(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            pa[mt][2] = pack_in(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            pa[mt][3] = pack_in(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          }
+#pragma unroll
+          for (int np = 0; np < kNo / 2; ++np) {
+            unsigned bv[4];
+            ldsm_x4_t(sv(st) + v_off + kk * 16 * kRowBytes + np * 32, bv);
+#pragma unroll
+            for (int mt = 0; mt < kMt; ++mt) {
+              mma16(o[mt][2 * np], pa[mt], bv[0], bv[1]);
+              mma16(o[mt][2 * np + 1], pa[mt], bv[2], bv[3]);
+            }
+          }
+        }
+      }
+      __syncthreads();  // the buffers of this tile are free again
+#if FA_PATH == 75
+      // Visible to the P V of the next tile after its first barrier.
+      if (has_next) {
+        if (!kPrefetch) nv.load(kv_src(vbase, tile + 1), tid);
+        nv.store(smem + (sv(0) - sbase), tid);
+      }
+#endif
+    }
+  }
+
+  // Normalize and write. Rows with no visible key have l == 0 exactly.
+  float* lse = p.lse;
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_l[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int i = w0 + mt * 16 + g + h * 8;
+      const float inv = l == 0.f ? 0.f : 1.f / l;
+      if (i < p.T) {
+        const long long row = ((long long)b * p.T + i) * p.N + n;
+        if (t4 == 0) lse[row] = l == 0.f ? FA_NEG_INF : (row_m[mt][h] + lg2(l)) * kLn2;
+#pragma unroll
+        for (int nt = 0; nt < kNo; ++nt) {
+          const float x0 = o[mt][nt][2 * h] * inv, x1 = o[mt][nt][2 * h + 1] * inv;
+          const long long at = row * kH + nt * 8 + 2 * t4;
+#if FA_OUT_DTYPE == 2
+          float* out = static_cast<float*>(p.out);
+          out[at] = x0;
+          out[at + 1] = x1;
+#else
+#if FA_OUT_DTYPE == 1
+          const unsigned v = fa_pack_bf16(x0, x1);
+#else
+          const unsigned v = fa_pack_f16(x0, x1);
+#endif
+          *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at) = v;
+#endif
+        }
+      }
+    }
+  }
+}
