@@ -1,0 +1,444 @@
+// Fused attention forward for Volta (sm_70): FastAttention, "Extend
+// FlashAttention2 to NPUs and Low-resource GPUs", section 4 (two-level tiling,
+// tiling-mask) and its Volta part (operand layout for mma.m8n8k4). Runs
+// unchanged on sm_75..sm_90, where m8n8k4 is emulated (correct but slow).
+//
+// Tiling. A CTA of kWarps warps owns Br = kBr query rows of one (b, n) and
+// walks the key tiles of Bc = kBc keys that fa_key_range allows (first level:
+// the CTA shares each K/V tile through shared memory). Each warp owns a slice
+// of Bb = kRW rows and keeps its own online-softmax state in float32 registers
+// (second level); a warp skips the tiles outside its own key range and masks
+// elementwise only on tiles that fa_tile_all_visible rejects.
+//
+// mma.m8n8k4 (HMMA.884). A warp runs four independent 8x8x4 products, one
+// per quad pair QP q = lanes {4q..4q+3} (low quad, h = 0) and {4q+16..4q+19}
+// (high quad, h = 1). With t = lane & 3 = (t1 t0) in bits, per quad pair:
+//   A .row   lane holds row t + 4h, k = 0..3
+//   B .col   lane holds col t + 4h, k = 0..3
+//   B .row   lane holds row k = t, cols 4h + 0..3
+//   C .f32   lane holds rows {t0, t0 + 2} + 4h x cols {0, 1, 4, 5} + 2 t1
+// S = Q K^T uses .row.col (Q rows and K rows are both read as 8-byte runs of
+// a shared-memory row); O += P V uses .row.row (V rows, likewise).
+//
+// S accumulators -> P operand, in registers. In the f32 C layout, lane bit 0
+// selects a row and lane bit 1 a column; in any f16 operand layout both bits
+// select the same dimension. So no permutation of keys or rows alone makes a
+// lane's S elements the P elements it supplies (lanes t and t^2 share their two
+// rows in C but need distinct rows as A). Half the elements have to cross the
+// bit-1 partner once, which we do with one warp shuffle per f16x2 register:
+// for S block (8 rows x keys 0..7), lane t keeps row t0 + 2 t1 (its A row) and
+//   t1 = 0: keeps row t0   keys {0,1},{4,5}; sends row t0+2 keys {0,1},{4,5}
+//   t1 = 1: keeps row t0+2 keys {2,3},{6,7}; sends row t0   keys {2,3},{6,7}
+// after which it holds its A row for keys 0..3 and 4..7 in natural order: two
+// P V k-steps per S n-tile, no key permutation, no trip through shared memory,
+// 2 SHFL per 8x8 block of S, which took H / 4 mma to compute. The O accumulator (C layout again) then
+// holds rows {t0, t0 + 2}, the same rows as the lane's S, so the rescale by
+// exp(m_old - m_new) uses the lane's own row maxima. Row max and row sum are
+// reduced over the bit-1 partner only (a QP covers all keys of its rows).
+//
+// Rows of a QP. QP q's mma row m maps to warp row (m >> 2) * 4 kRG + 4 r + (m
+// & 3), where r = q % kRG is its row group: each half-warp then reads the
+// A operand from 4 kRG consecutive rows (below: needed for bank-conflict-free
+// LDS.64). For H > 128, kRG = 2: QPs q and q + 2 compute the same S block
+// (duplicated QK^T work) and split the O columns, so O stays at 128 registers.
+//
+// Shared memory. Rows of Q, K, V are H / 4 chunks of 8 bytes plus one chunk
+// of padding: row r starts at chunk r * kS, kS = H / 4 + 1 odd. A warp's
+// 8-byte fragment loads run as two half-warps of 16 lanes, and each half-warp
+// reads one chunk column of 16 (Q), 4 (K, V) or 2 x 4 (V, kRG = 2, columns 8 or
+// 20 or 28 chunks apart) consecutive rows: an odd stride puts those on distinct
+// bank pairs. The padding keeps every fragment address a per-lane base plus an
+// immediate (an XOR swizzle would not). Tile copies store each 16-byte global
+// load as two 8-byte halves, grouped per half-warp as item_rc describes.
+#include "attention_common.cuh"
+
+#if FA_PATH != 70 || FA_DTYPE != 0
+#error "attention_volta.cu: FA_PATH 70, float16 operands only"
+#endif
+
+namespace {
+
+constexpr int kH = FA_HEAD_DIM;
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRG = kH > 128 ? 2 : 4;  // row groups (of 8 rows) per warp
+constexpr int kHS = 4 / kRG;           // column parts of O per row group
+constexpr int kRW = 8 * kRG;           // Bb: rows per warp
+constexpr int kBr = kRW * kWarps;
+// Bc: S takes kBc registers per lane and the K/V prefetch kBc * H / 256.
+// 64 keys halve the barriers per key while O is small; 32 keep H = 128 at
+// 128 + 32 + 16, and 16 keep H >= 224 (O at 128 again) out of spills.
+constexpr int kBc = kH <= 64 ? 64 : kH < 224 ? 32 : 16;
+constexpr int kS = kH / 4 + 1;         // row stride in 8-byte chunks
+constexpr int kNTS = kBc / 8;          // S n-tiles
+constexpr int kKS = kH / 4;            // QK^T k-steps
+constexpr int kKK = kBc / 4;           // PV k-steps
+constexpr int kNTO = kH / 8 / kHS;     // O n-tiles per lane
+// Two column parts read V columns 2 kNTO chunks apart, which with kS odd
+// hits 8 distinct bank pairs unless the gap is 0 mod 16 (H = 256); then the
+// parts take alternate blocks of four n-tiles (gap 8) instead.
+constexpr bool kInterleave = kHS == 2 && (2 * kNTO) % 16 == 0;
+constexpr int kChunksKV = kBc * kH / 8;  // 16-byte chunks of a K or V tile
+constexpr int kLoadsKV = (kChunksKV + kThreads - 1) / kThreads;
+constexpr int kSmemQ = kBr * kS * 8;
+constexpr int kSmemKV = kBc * kS * 8;
+// V100 gives 96 KB of shared memory to an SM: where Q, K and V would keep a
+// second CTA out (H = 128, 192), V reuses K's buffer for one more barrier.
+constexpr bool kOneKV = kSmemQ + 2 * kSmemKV > 48 * 1024;
+constexpr int kSmemBytes = kSmemQ + (kOneKV ? 1 : 2) * kSmemKV;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+static_assert(kH % 32 == 0 && kH <= 256, "head dim");
+static_assert(kSmemBytes <= 96 * 1024, "Volta allows 96 KB per block");
+
+// Index (in 8-byte chunks) of chunk c of row r.
+__device__ __forceinline__ int chunk_at(int r, int c) { return r * kS + c; }
+
+// 16-byte chunk j of row r (row-major source) to shared memory, as two 8-byte
+// halves (rows start at odd chunks).
+__device__ __forceinline__ void put16(uint2* dst, int r, int j, const uint4& v) {
+  const int c = chunk_at(r, 2 * j);
+  dst[c] = make_uint2(v.x, v.y);
+  dst[c + 1] = make_uint2(v.z, v.w);
+}
+
+// Item idx of a (kRows, H) tile copy -> (row r, 16-byte chunk j). A half-warp
+// of items covers 8 chunks of rows r, r + 1 (each row fills 16 consecutive
+// bank pairs, kS odd puts the two rows on opposite parities), or, for the
+// last 4 chunks when H / 8 = 4 mod 8, rows r, r + 1, r + 8, r + 9 (kS = 9 mod
+// 16 there, so rows 8 apart fill complementary halves of the 16 bank pairs).
+template <int kRows>
+__device__ __forceinline__ void item_rc(int idx, int& r, int& j) {
+  constexpr int kG = kH / 64;  // groups of 8 chunks per row
+  constexpr int kMain = kRows * 8 * kG;
+  if constexpr (kG > 0) {
+    if (idx < kMain) {
+      r = 2 * (idx / (16 * kG)) + ((idx >> 3) & 1);
+      j = 8 * ((idx >> 4) % kG) + (idx & 7);
+      return;
+    }
+  }
+  const int t = idx - kMain, hw = t >> 4;
+  r = ((t >> 2) & 1) + 8 * ((t >> 3) & 1) + 2 * (hw & 3) + 16 * (hw >> 2);
+  j = 8 * kG + (t & 3);
+}
+
+__device__ __forceinline__ void mma_rc(float* d, const uint2& a, const uint2& b) {
+  asm volatile(
+      "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7},"
+      " {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7])
+      : "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y));
+}
+
+__device__ __forceinline__ void mma_rr(float* d, const uint2& a, const uint2& b) {
+  asm volatile(
+      "mma.sync.aligned.m8n8k4.row.row.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7},"
+      " {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7])
+      : "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y));
+}
+
+__device__ __forceinline__ unsigned shfl_xor2(unsigned x) {
+  unsigned y;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ float shfl_xor2f(float x) {
+  return __uint_as_float(shfl_xor2(__float_as_uint(x)));
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// bf16 pair; cvt to bf16 exists from sm_80 only, so round to nearest even by
+// hand on Volta/Turing (NaN kept quiet).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  return fa_pack_bf16(lo, hi);
+#else
+  unsigned a = __float_as_uint(lo), b = __float_as_uint(hi);
+  a = (lo != lo) ? 0x7fc0u : (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
+  b = (hi != hi) ? 0x7fc0u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return a | (b << 16);
+#endif
+}
+
+// Item i of the (kRows, kH) block whose row r starts at src + r * stride
+// (elements), to shared memory; rows at or past `valid` are zero-filled, never
+// read.
+template <int kRows>
+__device__ __forceinline__ void load_rows(uint2* dst, const unsigned short* src,
+                                          long long stride, int valid, int i) {
+  int r, j;
+  item_rc<kRows>(i, r, j);
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (r < valid) v = *reinterpret_cast<const uint4*>(src + r * stride + j * 8);
+  put16(dst, r, j, v);
+}
+
+#if FA_GENERAL
+// fa_general_logit's tanh.approx needs sm_75; on sm_70 the same logit with
+// tanh from ex2 (relative error ~1e-6, far below the f16 inputs' rounding).
+// Drop this once attention_common.cuh's fa_tanh has an sm_70 branch.
+__device__ __forceinline__ float general_logit(const FaParams& p, float qk, int b,
+                                               int n, int i, int j) {
+#if __CUDA_ARCH__ >= 750
+  return fa_general_logit(p, qk, b, n, i, j);
+#else
+  float x = qk * p.scale;
+  if (p.softcap > 0.f) {
+    const float y = x / p.softcap, e = ex2(-2.f * kLog2e * fabsf(y));
+    x = p.softcap * copysignf((1.f - e) / (1.f + e), y);
+  }
+  if (p.bias) {
+    x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] +
+                i * p.bias_strides[2] + j * p.bias_strides[3]];
+  }
+  if (p.mask && !p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] +
+                        i * p.mask_strides[2] + j * p.mask_strides[3]]) {
+    x = FA_NEG_INF;
+  }
+  return x;
+#endif
+}
+#endif
+
+// O n-tile (8 columns) of a lane's j-th accumulator; `part` is its column part.
+__device__ __forceinline__ int o_tile(int j, int part) {
+  if (kHS == 1) return j;
+  return kInterleave ? (j & 3) + 4 * part + 8 * (j >> 2) : part * kNTO + j;
+}
+
+// S accumulators -> logits in log2 units. Element e of n-tile j is (row
+// row0 + (e & 2), key key0 + 8 j + (e & 4) + (e & 1)). Only tiles that
+// fa_tile_all_visible rejects (kMasked) test the index rules, and there hidden
+// elements are set to -inf, not computed: a NaN key stays out of the rows that
+// cannot see it, and bias / mask are never read out of range.
+template <bool kMasked>
+__device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p,
+                                          int b, int n, int q_len, int kv_len,
+                                          int row0, int key0) {
+#pragma unroll
+  for (int j = 0; j < kNTS; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int i = row0 + (e & 2), key = key0 + j * 8 + (e & 4) + (e & 1);
+      const bool vis = !kMasked || fa_visible(p, q_len, kv_len, i, key);
+#if FA_GENERAL
+      s[j][e] = vis ? general_logit(p, s[j][e], b, n, i, key) * kLog2e : FA_NEG_INF;
+#else
+      s[j][e] = vis ? s[j][e] * (p.scale * kLog2e) : FA_NEG_INF;
+#endif
+    }
+}
+
+}  // namespace
+
+extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmemBytes};
+
+extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams p) {
+  extern __shared__ uint4 smem[];
+  uint2* sq2 = reinterpret_cast<uint2*>(smem);
+  uint2* sk2 = sq2 + kSmemQ / 8;
+  uint2* sv2 = kOneKV ? sk2 : sk2 + kSmemKV / 8;
+
+  const int n_mb = (p.T + kBr - 1) / kBr;
+  const int mb = blockIdx.x % n_mb;
+  const int n = (blockIdx.x / n_mb) % p.N;
+  const int b = blockIdx.x / n_mb / p.N;
+  const int kvh = n / (p.N / p.K);
+  const int m0 = mb * kBr;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int t = lane & 3, t0 = lane & 1, t1 = (lane >> 1) & 1, h = lane >> 4;
+  const int qp = (lane >> 2) & 3, rg = qp % kRG, part = qp / kRG;
+
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  const long long row_stride = (long long)p.N * kH;   // q / out
+  const long long kv_stride = (long long)p.K * kH;
+  const unsigned short* qg = static_cast<const unsigned short*>(p.q) +
+                             ((long long)b * p.T + m0) * row_stride + (long long)n * kH;
+  const unsigned short* kg = static_cast<const unsigned short*>(p.k) +
+                             (long long)b * p.S * kv_stride + (long long)kvh * kH;
+  const unsigned short* vg = static_cast<const unsigned short*>(p.v) +
+                             (long long)b * p.S * kv_stride + (long long)kvh * kH;
+
+  // Warp rows and this lane's rows: A row, and C rows (two).
+  const int wm0 = m0 + warp * kRW;
+  const int a_row = warp * kRW + h * 4 * kRG + rg * 4 + t;
+  const int c_row0 = wm0 + h * 4 * kRG + rg * 4 + t0;  // and c_row0 + 2
+
+  int lo, hi, wlo, whi;
+  fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
+  fa_key_range(p, b, wm0, wm0 + kRW, &wlo, &whi);
+
+  for (int i = tid; i < kBr * kH / 8; i += kThreads)
+    load_rows<kBr>(sq2, qg, row_stride, min(kBr, p.T - m0), i);
+
+  float o[kNTO][8];
+#pragma unroll
+  for (int j = 0; j < kNTO; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
+  float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
+
+  const int n_begin = lo / kBc * kBc;
+  uint4 pre[kLoadsKV];
+  auto fetch = [&](const unsigned short* g, int n0) {
+#pragma unroll
+    for (int i = 0; i < kLoadsKV; ++i) {
+      const int idx = tid + i * kThreads;
+      int r, j;
+      item_rc<kBc>(idx, r, j);
+      pre[i] = make_uint4(0, 0, 0, 0);
+      if ((kChunksKV % kThreads == 0 || idx < kChunksKV) && n0 + r < kv_len)
+        pre[i] = *reinterpret_cast<const uint4*>(g + (long long)(n0 + r) * kv_stride + j * 8);
+    }
+  };
+  auto stash = [&](uint2* dst) {
+#pragma unroll
+    for (int i = 0; i < kLoadsKV; ++i) {
+      const int idx = tid + i * kThreads;
+      int r, j;
+      item_rc<kBc>(idx, r, j);
+      if (kChunksKV % kThreads == 0 || idx < kChunksKV) put16(dst, r, j, pre[i]);
+    }
+  };
+
+  if (n_begin < hi) {
+    fetch(kg, n_begin);
+    stash(sk2);
+  }
+  __syncthreads();
+
+  for (int n0 = n_begin; n0 < hi; n0 += kBc) {
+    fetch(vg, n0);  // V of this tile lands while QK^T runs
+    const bool active = n0 < whi && n0 + kBc > wlo;
+    unsigned pa[kKK][2];
+    if (active) {
+      float s[kNTS][8];
+#pragma unroll
+      for (int j = 0; j < kNTS; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[j][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kKS; ++ks) {
+        uint2 a = sq2[chunk_at(a_row, ks)];
+#pragma unroll
+        for (int j = 0; j < kNTS; ++j) mma_rc(s[j], a, sk2[chunk_at(j * 8 + t + 4 * h, ks)]);
+      }
+
+      if (fa_tile_all_visible(p, b, wm0, wm0 + kRW, n0, n0 + kBc))
+        to_logits<false>(s, p, b, n, q_len, kv_len, c_row0, n0 + 2 * t1);
+      else
+        to_logits<true>(s, p, b, n, q_len, kv_len, c_row0, n0 + 2 * t1);
+
+      float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+      for (int j = 0; j < kNTS; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[j][e]);
+      float base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], shfl_xor2f(mx[r]));
+        base[r] = mx[r] == FA_NEG_INF ? 0.f : mx[r];  // no (-inf) - (-inf)
+        const float alpha = ex2(m_run[r] - base[r]);
+        m_run[r] = mx[r];
+        l_run[r] *= alpha;
+#pragma unroll
+        for (int j = 0; j < kNTO; ++j) {
+          o[j][2 * r] *= alpha;
+          o[j][2 * r + 1] *= alpha;
+          o[j][2 * r + 4] *= alpha;
+          o[j][2 * r + 5] *= alpha;
+        }
+      }
+      // P = exp2(x - m), rounded to f16 pairs, then the bit-1 exchange above.
+#pragma unroll
+      for (int j = 0; j < kNTS; ++j) {
+        float e_[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          e_[e] = ex2(s[j][e] - base[(e >> 1) & 1]);
+          l_run[(e >> 1) & 1] += e_[e];
+        }
+        const unsigned p01 = fa_pack_f16(e_[0], e_[1]), p23 = fa_pack_f16(e_[2], e_[3]);
+        const unsigned p45 = fa_pack_f16(e_[4], e_[5]), p67 = fa_pack_f16(e_[6], e_[7]);
+        const unsigned x0 = shfl_xor2(t1 ? p01 : p23);
+        const unsigned x1 = shfl_xor2(t1 ? p45 : p67);
+        pa[2 * j][0] = t1 ? x0 : p01;
+        pa[2 * j][1] = t1 ? p23 : x0;
+        pa[2 * j + 1][0] = t1 ? x1 : p45;
+        pa[2 * j + 1][1] = t1 ? p67 : x1;
+      }
+    }
+
+    __syncthreads();  // QK^T has read K; last tile's P V has read V
+    stash(sv2);
+    const bool more = n0 + kBc < hi;
+    if (more) fetch(kg, n0 + kBc);  // lands while P V runs
+    __syncthreads();
+
+    if (active) {
+#pragma unroll
+      for (int kk = 0; kk < kKK; ++kk) {
+        const uint2 a = make_uint2(pa[kk][0], pa[kk][1]);
+#pragma unroll
+        for (int j = 0; j < kNTO; ++j) {
+          mma_rr(o[j], a, sv2[chunk_at(kk * 4 + t, 2 * o_tile(j, part) + h)]);
+        }
+      }
+    }
+    if (more) {
+      if (kOneKV) __syncthreads();  // P V has read the buffer K goes to
+      stash(sk2);
+      __syncthreads();
+    }
+  }
+
+  // Epilogue: the row sums are split over the bit-1 partner.
+  float inv[2], lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = l_run[r] + shfl_xor2f(l_run[r]);
+    inv[r] = l == 0.f ? 0.f : 1.f / l;
+    lse[r] = l == 0.f ? FA_NEG_INF : (m_run[r] + lg2(l)) * kLn2;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = c_row0 + 2 * r;
+    if (i >= p.T) continue;
+    if (t1 == 0 && part == 0) p.lse[((long long)b * p.T + i) * p.N + n] = lse[r];
+    char* orow = static_cast<char*>(p.out) +
+                 ((((long long)b * p.T + i) * p.N + n) * kH) * (FA_OUT_DTYPE == 2 ? 4 : 2);
+#pragma unroll
+    for (int j = 0; j < kNTO; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = o_tile(j, part) * 8 + 4 * half + 2 * t1;
+        const float v0 = o[j][4 * half + 2 * r] * inv[r], v1 = o[j][4 * half + 2 * r + 1] * inv[r];
+#if FA_OUT_DTYPE == 2
+        *reinterpret_cast<float2*>(orow + col * 4) = make_float2(v0, v1);
+#elif FA_OUT_DTYPE == 1
+        *reinterpret_cast<unsigned*>(orow + col * 2) = pack_bf16(v0, v1);
+#else
+        *reinterpret_cast<unsigned*>(orow + col * 2) = fa_pack_f16(v0, v1);
+#endif
+      }
+    }
+  }
+}
