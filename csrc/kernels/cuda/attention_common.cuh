@@ -110,7 +110,13 @@ __device__ __forceinline__ bool fa_visible(const FaParams& p, int q_len,
 // Only for FA_GENERAL kernels; the plain path is x * scale.
 __device__ __forceinline__ float fa_tanh(float x) {
   float y;
+#if __CUDA_ARCH__ >= 750
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+#else  // no tanh.approx on sm_70: (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|)
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(x)));
+  y = copysignf((1.f - e) / (1.f + e), x);
+#endif
   return y;
 }
 

@@ -31,8 +31,9 @@
 //   t1 = 1: keeps row t0+2 keys {2,3},{6,7}; sends row t0   keys {2,3},{6,7}
 // after which it holds its A row for keys 0..3 and 4..7 in natural order: two
 // P V k-steps per S n-tile, no key permutation, no trip through shared memory,
-// 2 SHFL per 8x8 block of S, which took H / 4 mma to compute. The O accumulator (C layout again) then
-// holds rows {t0, t0 + 2}, the same rows as the lane's S, so the rescale by
+// 2 SHFL per 8x8 block of S, which took H / 4 mma to compute. The O
+// accumulator (C layout again) then holds rows {t0, t0 + 2}, the same rows as
+// the lane's S, so the rescale by
 // exp(m_old - m_new) uses the lane's own row maxima. Row max and row sum are
 // reduced over the bit-1 partner only (a QP covers all keys of its rows).
 //
@@ -164,19 +165,6 @@ __device__ __forceinline__ float lg2(float x) {
   return y;
 }
 
-// bf16 pair; cvt to bf16 exists from sm_80 only, so round to nearest even by
-// hand on Volta/Turing (NaN kept quiet).
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
-  return fa_pack_bf16(lo, hi);
-#else
-  unsigned a = __float_as_uint(lo), b = __float_as_uint(hi);
-  a = (lo != lo) ? 0x7fc0u : (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
-  b = (hi != hi) ? 0x7fc0u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  return a | (b << 16);
-#endif
-}
-
 // Item i of the (kRows, kH) block whose row r starts at src + r * stride
 // (elements), to shared memory; rows at or past `valid` are zero-filled, never
 // read.
@@ -189,33 +177,6 @@ __device__ __forceinline__ void load_rows(uint2* dst, const unsigned short* src,
   if (r < valid) v = *reinterpret_cast<const uint4*>(src + r * stride + j * 8);
   put16(dst, r, j, v);
 }
-
-#if FA_GENERAL
-// fa_general_logit's tanh.approx needs sm_75; on sm_70 the same logit with
-// tanh from ex2 (relative error ~1e-6, far below the f16 inputs' rounding).
-// Drop this once attention_common.cuh's fa_tanh has an sm_70 branch.
-__device__ __forceinline__ float general_logit(const FaParams& p, float qk, int b,
-                                               int n, int i, int j) {
-#if __CUDA_ARCH__ >= 750
-  return fa_general_logit(p, qk, b, n, i, j);
-#else
-  float x = qk * p.scale;
-  if (p.softcap > 0.f) {
-    const float y = x / p.softcap, e = ex2(-2.f * kLog2e * fabsf(y));
-    x = p.softcap * copysignf((1.f - e) / (1.f + e), y);
-  }
-  if (p.bias) {
-    x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] +
-                i * p.bias_strides[2] + j * p.bias_strides[3]];
-  }
-  if (p.mask && !p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] +
-                        i * p.mask_strides[2] + j * p.mask_strides[3]]) {
-    x = FA_NEG_INF;
-  }
-  return x;
-#endif
-}
-#endif
 
 // O n-tile (8 columns) of a lane's j-th accumulator; `part` is its column part.
 __device__ __forceinline__ int o_tile(int j, int part) {
@@ -239,7 +200,7 @@ __device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p
       const int i = row0 + (e & 2), key = key0 + j * 8 + (e & 4) + (e & 1);
       const bool vis = !kMasked || fa_visible(p, q_len, kv_len, i, key);
 #if FA_GENERAL
-      s[j][e] = vis ? general_logit(p, s[j][e], b, n, i, key) * kLog2e : FA_NEG_INF;
+      s[j][e] = vis ? fa_general_logit(p, s[j][e], b, n, i, key) * kLog2e : FA_NEG_INF;
 #else
       s[j][e] = vis ? s[j][e] * (p.scale * kLog2e) : FA_NEG_INF;
 #endif
@@ -434,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 #if FA_OUT_DTYPE == 2
         *reinterpret_cast<float2*>(orow + col * 4) = make_float2(v0, v1);
 #elif FA_OUT_DTYPE == 1
-        *reinterpret_cast<unsigned*>(orow + col * 2) = pack_bf16(v0, v1);
+        *reinterpret_cast<unsigned*>(orow + col * 2) = fa_pack_bf16(v0, v1);
 #else
         *reinterpret_cast<unsigned*>(orow + col * 2) = fa_pack_f16(v0, v1);
 #endif
