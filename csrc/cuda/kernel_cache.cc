@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "cuda/kernel_sources.h"
 #include "cuda/nvrtc.h"
@@ -235,9 +236,10 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& arch, Compiled
 const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
                                     const KernelVariant& v, std::string* error) {
   static std::mutex mu;
-  static std::map<std::pair<CUcontext, std::string>, std::unique_ptr<LoadedKernel>> loaded;
+  static std::map<std::tuple<CUcontext, int, int, int, int, int>, std::unique_ptr<LoadedKernel>>
+      loaded;
   std::lock_guard<std::mutex> lock(mu);
-  auto id = std::make_pair(context, v.Describe());
+  auto id = std::make_tuple(context, v.path, v.head_dim, v.dtype, v.out_dtype, v.general);
   if (auto it = loaded.find(id); it != loaded.end()) return it->second.get();
 
   if (CUresult rc = d.cuCtxPushCurrent(context); rc != 0) {

@@ -1,8 +1,9 @@
 // What the CPU and CUDA FFI handlers share: the options of one call, decoded
 // from the custom call's attribute dictionary (fastattn_jax/backends.py:
-// fused_call), and the checks of broadcast operands.
+// fused_call), and the checks of the operands' shapes.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -23,6 +24,39 @@ inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {
   std::string s = "(";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + ")";
+}
+
+struct QkvDims {
+  int64_t B, T, S, N, K, H;
+};
+
+// Reads (B, T, N, H) x (B, S, K, H) from query, key and value, or an error
+// naming the shapes that do not fit.
+inline xla::ffi::Error CheckQkv(xla::ffi::Span<const int64_t> qd, xla::ffi::Span<const int64_t> kd,
+                                xla::ffi::Span<const int64_t> vd, QkvDims* d) {
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return xla::ffi::Error::InvalidArgument("query, key and value must be 4-D");
+  }
+  *d = QkvDims{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3]};
+  if (kd[0] != d->B || kd[3] != d->H || d->K == 0 || d->N % d->K != 0 ||
+      !std::equal(vd.begin(), vd.end(), kd.begin())) {
+    return xla::ffi::Error::InvalidArgument("query " + DimsString(qd) + " and key " +
+                                            DimsString(kd) +
+                                            " do not fit (B, T, N, H) x (B, S, K, H)");
+  }
+  return xla::ffi::Error::Success();
+}
+
+// The data of a (B,) lengths operand, or nullptr when it is empty (absent).
+inline xla::ffi::Error CheckLengths(const char* name, xla::ffi::Buffer<xla::ffi::S32>& lens,
+                                    int64_t B, const int32_t** data) {
+  *data = nullptr;
+  if (lens.element_count() == 0) return xla::ffi::Error::Success();
+  if (lens.element_count() != static_cast<size_t>(B)) {
+    return xla::ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,)");
+  }
+  *data = lens.typed_data();
+  return xla::ffi::Error::Success();
 }
 
 // Element strides that broadcast a 4-D (b, n, t, s) operand to `full`, or an

@@ -2,7 +2,6 @@
 // over, fills fastattn::AttentionParams and calls the kernel.
 #include <algorithm>
 #include <cstdint>
-#include <tuple>
 #include <string>
 
 #include "ffi/attention_attrs.h"
@@ -12,7 +11,6 @@
 namespace ffi = xla::ffi;
 using fastattn::AttentionAttrs;
 using fastattn::BroadcastStrides;
-using fastattn::DimsString;
 
 namespace {
 
@@ -30,18 +28,13 @@ ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                                    ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Result<ffi::AnyBuffer> out,
                                    ffi::ResultBuffer<ffi::F32> lse, AttentionAttrs attrs) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument("query, key and value must be 4-D");
+  fastattn::QkvDims d;
+  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
+      err.failure()) {
+    return err;
   }
   fastattn::AttentionParams p;
-  p.B = qd[0], p.T = qd[1], p.N = qd[2], p.H = qd[3];
-  p.S = kd[1], p.K = kd[2];
-  if (kd[0] != p.B || kd[3] != p.H || p.K == 0 || p.N % p.K != 0 ||
-      !std::equal(vd.begin(), vd.end(), kd.begin())) {
-    return ffi::Error::InvalidArgument("query " + DimsString(qd) + " and key " + DimsString(kd) +
-                                       " do not fit (B, T, N, H) x (B, S, K, H)");
-  }
+  p.B = d.B, p.T = d.T, p.S = d.S, p.N = d.N, p.K = d.K, p.H = d.H;
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       q.element_type() != out->element_type() || !ToElementType(q.element_type(), &p.dtype)) {
     return ffi::Error::InvalidArgument("query, key, value and out must share one of F32, F16, BF16");
@@ -68,13 +61,13 @@ ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     }
     p.mask = mask.typed_data();
   }
-  for (auto [lens, dst, name] : {std::tuple{&q_lens, &p.q_lens, "query_seq_lengths"},
-                                 std::tuple{&kv_lens, &p.kv_lens, "key_value_seq_lengths"}}) {
-    if (lens->element_count() == 0) continue;
-    if (lens->element_count() != p.B) {
-      return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,)");
-    }
-    *dst = lens->typed_data();
+  if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, p.B, &p.q_lens);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = fastattn::CheckLengths("key_value_seq_lengths", kv_lens, p.B, &p.kv_lens);
+      err.failure()) {
+    return err;
   }
   p.scale = attrs.scale;
   p.softcap = attrs.softcap;

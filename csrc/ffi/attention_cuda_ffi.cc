@@ -9,7 +9,6 @@
 #include <climits>
 #include <cstdint>
 #include <string>
-#include <tuple>
 
 #include "cuda/driver.h"
 #include "cuda/kernel_cache.h"
@@ -20,7 +19,6 @@
 namespace ffi = xla::ffi;
 using fastattn::AttentionAttrs;
 using fastattn::BroadcastStrides;
-using fastattn::DimsString;
 namespace cu = fastattn::cuda;
 
 namespace {
@@ -39,18 +37,13 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                    ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
                    const AttentionAttrs& attrs, FaParams* p, cu::KernelVariant* variant) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument("query, key and value must be 4-D");
+  fastattn::QkvDims d;
+  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
+      err.failure()) {
+    return err;
   }
   *p = FaParams{};
-  p->B = qd[0], p->T = qd[1], p->N = qd[2], p->H = qd[3];
-  p->S = kd[1], p->K = kd[2];
-  if (kd[0] != p->B || kd[3] != p->H || p->K == 0 || p->N % p->K != 0 ||
-      !std::equal(vd.begin(), vd.end(), kd.begin())) {
-    return ffi::Error::InvalidArgument("query " + DimsString(qd) + " and key " + DimsString(kd) +
-                                       " do not fit (B, T, N, H) x (B, S, K, H)");
-  }
+  p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
   variant->path = static_cast<int>(attrs.kernel_path);
   variant->head_dim = p->H;
   variant->dtype = DtypeCode(q.element_type());
@@ -84,13 +77,13 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
     std::copy(strides, strides + 4, p->mask_strides);
     p->mask = reinterpret_cast<const unsigned char*>(mask.typed_data());
   }
-  for (auto [lens, dst, name] : {std::tuple{&q_lens, &p->q_lens, "query_seq_lengths"},
-                                 std::tuple{&kv_lens, &p->kv_lens, "key_value_seq_lengths"}}) {
-    if (lens->element_count() == 0) continue;
-    if (lens->element_count() != static_cast<size_t>(p->B)) {
-      return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,)");
-    }
-    *dst = lens->typed_data();
+  if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, p->B, &p->q_lens);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = fastattn::CheckLengths("key_value_seq_lengths", kv_lens, p->B, &p->kv_lens);
+      err.failure()) {
+    return err;
   }
   p->scale = attrs.scale;
   p->softcap = attrs.softcap;
@@ -100,9 +93,18 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
   return ffi::Error::Success();
 }
 
-// The kernel for the device of `stream`, built if needed.
-ffi::Error Kernel(cu::CUstream stream, const cu::KernelVariant& variant,
-                  const cu::Driver** driver, const cu::LoadedKernel** kernel) {
+// Checks the operands and finds the kernel for the device of `stream`,
+// building it if needed.
+ffi::Error FindKernel(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
+                      ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                      ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, const AttentionAttrs& attrs,
+                      FaParams* p, const cu::Driver** driver, const cu::LoadedKernel** kernel) {
+  cu::KernelVariant variant;
+  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, out, lse, attrs, p, &variant);
+      err.failure()) {
+    return err;
+  }
   std::string error;
   *driver = cu::GetDriver(&error);
   if (!*driver) return ffi::Error::Internal(error);
@@ -120,14 +122,10 @@ ffi::Error InitializeImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out,
                           ffi::ResultBuffer<ffi::F32> lse, AttentionAttrs attrs) {
   FaParams p;
-  cu::KernelVariant variant;
-  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &p, &variant);
-      err.failure()) {
-    return err;
-  }
   const cu::Driver* driver;
   const cu::LoadedKernel* kernel;
-  return Kernel(stream, variant, &driver, &kernel);
+  return FindKernel(stream, q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &p, &driver,
+                    &kernel);
 }
 
 ffi::Error ExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -136,14 +134,13 @@ ffi::Error ExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
                        AttentionAttrs attrs) {
   FaParams p;
-  cu::KernelVariant variant;
-  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &p, &variant);
+  const cu::Driver* driver;
+  const cu::LoadedKernel* kernel;
+  if (auto err = FindKernel(stream, q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &p,
+                            &driver, &kernel);
       err.failure()) {
     return err;
   }
-  const cu::Driver* driver;
-  const cu::LoadedKernel* kernel;
-  if (auto err = Kernel(stream, variant, &driver, &kernel); err.failure()) return err;
   const cu::LoadedKernel& kn = *kernel;
   if (p.B == 0 || p.N == 0 || p.T == 0) return ffi::Error::Success();
   const int64_t blocks = (int64_t{p.T} + kn.block_m - 1) / kn.block_m * p.N * p.B;

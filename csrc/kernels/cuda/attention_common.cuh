@@ -106,6 +106,19 @@ __device__ __forceinline__ bool fa_visible(const FaParams& p, int q_len,
   return true;
 }
 
+// 2^x and log2(x), the fast hardware approximations the softmax runs on.
+__device__ __forceinline__ float fa_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fa_lg2(float x) {
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The logit of a visible (row i, key j) from the raw q . k; -inf if masked.
 // Only for FA_GENERAL kernels; the plain path is x * scale.
 __device__ __forceinline__ float fa_tanh(float x) {
@@ -113,8 +126,7 @@ __device__ __forceinline__ float fa_tanh(float x) {
 #if __CUDA_ARCH__ >= 750
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
 #else  // no tanh.approx on sm_70: (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|)
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(x)));
+  const float e = fa_ex2(-2.8853900817779268f * fabsf(x));
   y = copysignf((1.f - e) / (1.f + e), x);
 #endif
   return y;

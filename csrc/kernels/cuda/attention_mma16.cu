@@ -84,18 +84,6 @@ __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
   return r;
 }
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float lg2(float x) {
-  float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -428,14 +416,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             // A row with nothing visible yet keeps every exponent at -inf:
             // subtract 0 rather than -inf so they give 0, not NaN.
             const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-            const float alpha = ex2(row_m[mt][h] - m_use);
+            const float alpha = fa_ex2(row_m[mt][h] - m_use);
             row_m[mt][h] = m_new;
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < kNs; ++nt) {
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                float pe = ex2(s[mt][nt][2 * h + e] - m_use);
+                float pe = fa_ex2(s[mt][nt][2 * h + e] - m_use);
                 s[mt][nt][2 * h + e] = pe;
                 sum += pe;
               }
@@ -509,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const float inv = l == 0.f ? 0.f : 1.f / l;
       if (i < p.T) {
         const long long row = ((long long)b * p.T + i) * p.N + n;
-        if (t4 == 0) lse[row] = l == 0.f ? FA_NEG_INF : (row_m[mt][h] + lg2(l)) * kLn2;
+        if (t4 == 0) lse[row] = l == 0.f ? FA_NEG_INF : (row_m[mt][h] + fa_lg2(l)) * kLn2;
 #pragma unroll
         for (int nt = 0; nt < kNo; ++nt) {
           const float x0 = o[mt][nt][2 * h] * inv, x1 = o[mt][nt][2 * h + 1] * inv;

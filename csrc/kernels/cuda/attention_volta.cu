@@ -153,18 +153,6 @@ __device__ __forceinline__ float shfl_xor2f(float x) {
   return __uint_as_float(shfl_xor2(__float_as_uint(x)));
 }
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float lg2(float x) {
-  float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Item i of the (kRows, kH) block whose row r starts at src + r * stride
 // (elements), to shared memory; rows at or past `valid` are zero-filled, never
 // read.
@@ -317,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], shfl_xor2f(mx[r]));
         base[r] = mx[r] == FA_NEG_INF ? 0.f : mx[r];  // no (-inf) - (-inf)
-        const float alpha = ex2(m_run[r] - base[r]);
+        const float alpha = fa_ex2(m_run[r] - base[r]);
         m_run[r] = mx[r];
         l_run[r] *= alpha;
 #pragma unroll
@@ -334,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
         float e_[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          e_[e] = ex2(s[j][e] - base[(e >> 1) & 1]);
+          e_[e] = fa_ex2(s[j][e] - base[(e >> 1) & 1]);
           l_run[(e >> 1) & 1] += e_[e];
         }
         const unsigned p01 = fa_pack_f16(e_[0], e_[1]), p23 = fa_pack_f16(e_[2], e_[3]);
@@ -377,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   for (int r = 0; r < 2; ++r) {
     const float l = l_run[r] + shfl_xor2f(l_run[r]);
     inv[r] = l == 0.f ? 0.f : 1.f / l;
-    lse[r] = l == 0.f ? FA_NEG_INF : (m_run[r] + lg2(l)) * kLn2;
+    lse[r] = l == 0.f ? FA_NEG_INF : (m_run[r] + fa_lg2(l)) * kLn2;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
