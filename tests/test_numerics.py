@@ -106,6 +106,8 @@ def _cases():
       c(softcap=0.5, bias=(1, 4, 97, 128), causal=True),
       c(softcap=30.0, scale=0.3, mask=(2, 1, 97, 128)),
       c(scale=0.5),
+      c(scale=-0.2, causal=True),  # row maxima of unscaled logits would be minima
+      c(scale=0.0),
   ]
   # 3-D inputs.
   cases += [

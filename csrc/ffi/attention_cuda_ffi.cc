@@ -48,7 +48,9 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
   variant->head_dim = p->H;
   variant->dtype = DtypeCode(q.element_type());
   variant->out_dtype = DtypeCode(out.element_type());
-  variant->general = bias.element_count() > 0 || mask.element_count() > 0 || attrs.softcap > 0;
+  // Plain kernels take row maxima of the unscaled logits, valid for scale > 0.
+  variant->general = bias.element_count() > 0 || mask.element_count() > 0 ||
+                     attrs.softcap > 0 || !(attrs.scale > 0);
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
       variant->dtype > 1 || variant->out_dtype < 0) {
     return ffi::Error::InvalidArgument(

@@ -14,7 +14,8 @@
 //   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_PATH 80 only)
 //   FA_OUT_DTYPE  out element: 0 float16, 1 bfloat16, 2 float32
 //   FA_GENERAL    1: bias, mask and soft cap are compiled in (each still off
-//                 when its FaParams field is null / 0); 0: none of them
+//                 when its FaParams field is null / 0), any scale; 0: none of
+//                 them, and scale > 0
 //
 // Each kernel source defines
 //   extern "C" __global__ void fa_forward(const FaParams p);

@@ -30,15 +30,16 @@ static_assert(kH % 32 == 0 && kH >= 32 && kH <= 256, "head dim");
 constexpr int kRowBytes = kH * 2 + 16;  // padded smem row
 constexpr int kChunks = kH / 8;         // 16-byte chunks per row
 
-// Tile shape. Two m-tiles per warp halve the K/V shared-memory reads per
-// flop (each B fragment feeds two mma), which matters once ldmatrix
-// bandwidth, not the tensor cores, is the limit; it costs accumulators, so
-// only small head dims get it. Large head dims keep Q in shared memory and
-// reload its fragments, as Q + O registers would not fit.
+// Tile shape. Up to H=128, two m-tiles per warp halve the K/V shared-memory
+// reads per flop (each B fragment feeds two mma): with one, ldmatrix
+// bandwidth, not the tensor cores, is the limit (bf16 on an H100 at S=16384:
+// path 80 went from 212 to 286 TFLOP/s at H=64 and from 275 to 307 at H=128;
+// path 75 from 147 to 192 at H=128). The accumulators of two m-tiles leave no registers for
+// Q fragments, which are reloaded from shared memory at every k-step, nor for
+// path 75's prefetched tile.
+constexpr int kWarps = 4;
+constexpr int kMt = kH <= 128 ? 2 : 1;
 #if FA_PATH == 80
-constexpr int kWarps = kH <= 128 ? 8 : 4;
-constexpr int kMt = 1;
-constexpr bool kQReg = kH <= 128;
 constexpr int kStages = 2;
 #if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
 constexpr int kSmemBudget = 163 * 1024;
@@ -48,10 +49,7 @@ constexpr int kSmemBudget = 227 * 1024;
 constexpr int kSmemBudget = 99 * 1024;  // sm_86 / sm_89
 #endif
 #else
-constexpr int kWarps = 4;
-constexpr int kMt = 1;
-constexpr bool kQReg = kH <= 128;
-constexpr int kStages = 1;              // the next tile waits in registers
+constexpr int kStages = 1;              // no cp.async: see kPrefetch
 constexpr int kSmemBudget = 64 * 1024;  // T4
 #endif
 
@@ -61,7 +59,7 @@ __host__ __device__ constexpr int smem_for(int bc) { return (kBr + kStages * 2 *
 // Bc: as wide as registers allow (S and, on path 75, the prefetched tile
 // grow with it), then as shared memory allows.
 constexpr int kBcMax = kPath75 ? (kH <= 64 ? 64 : kH <= 160 ? 32 : 16)
-                             : (kH <= 128 ? 64 : 32);
+                             : (kH <= 64 ? 64 : 32);
 constexpr int kBc = kBcMax >= 64 && smem_for(64) <= kSmemBudget ? 64
                   : kBcMax >= 32 && smem_for(32) <= kSmemBudget ? 32 : 16;
 static_assert(smem_for(kBc) <= kSmemBudget, "tile does not fit");
@@ -237,13 +235,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
 
   const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
-  const unsigned short* kbase =
-      static_cast<const unsigned short*>(p.k) + (long long)b * p.S * ld_kv + kvh * kH;
-  const unsigned short* vbase =
-      static_cast<const unsigned short*>(p.v) + (long long)b * p.S * ld_kv + kvh * kH;
-  auto kv_src = [&](const unsigned short* base, int tile) {
-    int j0 = tile * kBc;
-    return TileSrc{base + j0 * ld_kv, (int)ld_kv, kv_len - j0};
+  // K / V tile sources, their bases recomputed from the parameters each time
+  // rather than held in registers across the loop.
+  auto kv_src = [&](const void* kv, int tile) {
+    const int j0 = tile * kBc;
+    return TileSrc{static_cast<const unsigned short*>(kv) +
+                       ((long long)b * p.S + j0) * ld_kv + kvh * kH,
+                   (int)ld_kv, kv_len - j0};
   };
 
   const unsigned sbase = smem_u32(smem);
@@ -271,8 +269,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     row_m[mt][0] = row_m[mt][1] = FA_NEG_INF;
     row_l[mt][0] = row_l[mt][1] = 0.f;
   }
-  unsigned qf[kQReg ? kMt : 1][kQReg ? kKs : 1][4];
-  [[maybe_unused]] const float scale_log2 = p.scale * kLog2e;
+  // Plain variants keep raw Q K^T logits and their row maxima (scale > 0, so
+  // the maxima commute with scaling): one fma per element takes a logit to
+  // the log2 domain and subtracts the maximum. General variants have already
+  // mapped every logit to the log2 domain.
+  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kLog2e;
 
   if (t_end > t_begin) {
     const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
@@ -280,8 +281,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                        (int)ld_q, p.T - m0};
 #if FA_PATH == 80
     tile_async<kBr>(sq, qsrc, tid);
-    tile_async<kBc>(sk(0), kv_src(kbase, t_begin), tid);
-    tile_async<kBc>(sv(0), kv_src(vbase, t_begin), tid);
+    tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
+    tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
     cp_async_commit();
 #else
     {
@@ -289,9 +290,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       rq.load(qsrc, tid);
       rq.store(smem, tid);
       TileRegs<kBc> rk;
-      rk.load(kv_src(kbase, t_begin), tid);
+      rk.load(kv_src(p.k, t_begin), tid);
       rk.store(smem + (sk(0) - sbase), tid);
-      rk.load(kv_src(vbase, t_begin), tid);
+      rk.load(kv_src(p.v, t_begin), tid);
       rk.store(smem + (sv(0) - sbase), tid);
     }
     __syncthreads();
@@ -303,8 +304,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #if FA_PATH == 80
       const int st = (tile - t_begin) & 1;
       if (has_next) {
-        tile_async<kBc>(sk(st ^ 1), kv_src(kbase, tile + 1), tid);
-        tile_async<kBc>(sv(st ^ 1), kv_src(vbase, tile + 1), tid);
+        tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
+        tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -313,21 +314,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
 #else
       const int st = 0;
-      // Path 75 has no cp.async: the next tile's loads are issued before this
-      // tile's math and land in shared memory after it (registers allowing).
-      constexpr bool kPrefetch = kH <= 192;
+      // Path 75 has no cp.async: with one m-tile per warp, the next tile's
+      // loads are issued before this tile's math and land in shared memory
+      // after it (registers allowing); otherwise K is loaded between the two
+      // products and V after them.
+      constexpr bool kPrefetch = kMt == 1 && kH <= 192;
       TileRegs<kBc> nk;
-      if (kPrefetch && has_next) nk.load(kv_src(kbase, tile + 1), tid);
+      if (kPrefetch && has_next) nk.load(kv_src(p.k, tile + 1), tid);
 #endif
-      if constexpr (kQReg) {
-        if (tile == t_begin) {
-#pragma unroll
-          for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-            for (int kk = 0; kk < kKs; ++kk)
-              ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, qf[mt][kk]);
-        }
-      }
       const bool warp_sees = n0 < whi && n0 + kBc > wlo;
       float s[kMt][kNs][4];
       if (warp_sees) {
@@ -341,14 +335,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kk = 0; kk < kKs; ++kk) {
           unsigned a[kMt][4];
 #pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-            if constexpr (kQReg) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) a[mt][e] = qf[mt][kk][e];
-            } else {
-              ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, a[mt]);
-            }
-          }
+          for (int mt = 0; mt < kMt; ++mt)
+            ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, a[mt]);
 #pragma unroll
           for (int np = 0; np < kNs / 2; ++np) {
             unsigned bk[4];
@@ -403,10 +391,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                 // visible (i, j), the only ones in bounds.
                 if (x != FA_NEG_INF)
                   x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kLog2e;
-#else
-                x *= scale_log2;
-#endif
                 s[mt][nt][2 * h + e] = x;
+#endif
                 mx = fmaxf(mx, x);
               }
             }
@@ -416,14 +402,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             // A row with nothing visible yet keeps every exponent at -inf:
             // subtract 0 rather than -inf so they give 0, not NaN.
             const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-            const float alpha = fa_ex2(row_m[mt][h] - m_use);
+            const float alpha = fa_ex2((row_m[mt][h] - m_use) * to_log2);
             row_m[mt][h] = m_new;
+            const float m_log2 = m_use * to_log2;
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < kNs; ++nt) {
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                float pe = fa_ex2(s[mt][nt][2 * h + e] - m_use);
+                float pe = fa_ex2(fmaf(s[mt][nt][2 * h + e], to_log2, -m_log2));
                 s[mt][nt][2 * h + e] = pe;
                 sum += pe;
               }
@@ -443,9 +430,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();  // every warp is done with K
       TileRegs<kBc> nv;
       if (has_next) {
-        if (!kPrefetch) nk.load(kv_src(kbase, tile + 1), tid);
+        if (!kPrefetch) nk.load(kv_src(p.k, tile + 1), tid);
         nk.store(smem + (sk(0) - sbase), tid);
-        if (kPrefetch) nv.load(kv_src(vbase, tile + 1), tid);
+        if (kPrefetch) nv.load(kv_src(p.v, tile + 1), tid);
       }
 #endif
 
@@ -477,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #if FA_PATH == 75
       // Visible to the P V of the next tile after its first barrier.
       if (has_next) {
-        if (!kPrefetch) nv.load(kv_src(vbase, tile + 1), tid);
+        if (!kPrefetch) nv.load(kv_src(p.v, tile + 1), tid);
         nv.store(smem + (sv(0) - sbase), tid);
       }
 #endif
@@ -497,7 +484,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       const float inv = l == 0.f ? 0.f : 1.f / l;
       if (i < p.T) {
         const long long row = ((long long)b * p.T + i) * p.N + n;
-        if (t4 == 0) lse[row] = l == 0.f ? FA_NEG_INF : (row_m[mt][h] + fa_lg2(l)) * kLn2;
+        if (t4 == 0)
+          lse[row] = l == 0.f ? FA_NEG_INF : (row_m[mt][h] * to_log2 + fa_lg2(l)) * kLn2;
 #pragma unroll
         for (int nt = 0; nt < kNo; ++nt) {
           const float x0 = o[mt][nt][2 * h] * inv, x1 = o[mt][nt][2 * h + 1] * inv;
