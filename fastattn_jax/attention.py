@@ -57,12 +57,14 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     return_residual: also return the log-sum-exp of the visible logits.
     implementation: None (the best path for the platform and inputs: "cpu"
       on CPUs; on NVIDIA GPUs the kernel of the compute capability, "cuda_sm70"
-      (7.x below 7.5), "cuda_sm75" (7.5) or "cuda_sm80" (8.0 and newer), for
-      float16 and bfloat16 inputs with H <= 256, else "xla"), "xla" (plain JAX,
-      materializes T x S), "cpu" (the fused CPU kernel), "cuda_sm70" /
-      "cuda_sm75" / "cuda_sm80" (force one CUDA kernel: mma.m8n8k4,
-      mma.m16n8k8 or mma.m16n8k16 with cp.async; a GPU runs its own path and
-      the older ones) or "cudnn" (delegates to ``jax.nn.dot_product_attention``).
+      (7.x below 7.5), "cuda_sm75" (7.5), "cuda_sm80" (8.0 and newer) or
+      "cuda_sm90" (9.0, when H rounded up to a multiple of 32 is one of 64),
+      for float16 and bfloat16 inputs with H <= 256, else "xla"), "xla" (plain
+      JAX, materializes T x S), "cpu" (the fused CPU kernel), "cuda_sm70" /
+      "cuda_sm75" / "cuda_sm80" / "cuda_sm90" (force one CUDA kernel:
+      mma.m8n8k4, mma.m16n8k8, mma.m16n8k16 with cp.async, or Hopper's wgmma;
+      a GPU runs its own path and the older ones, cuda_sm90 runs on 9.0 only)
+      or "cudnn" (delegates to ``jax.nn.dot_product_attention``).
       The CUDA kernels multiply in float16 or bfloat16 with float32
       accumulation and softmax: float32 inputs (and bfloat16 inputs on the
       sm70 / sm75 paths, whose tensor cores lack bfloat16) are rounded to

@@ -62,7 +62,11 @@ def _compute_capability() -> tuple[int, int]:
   return int(major), int(minor)
 
 
-def _cuda_path_for(capability: tuple[int, int]) -> str:
+def _cuda_path_for(capability: tuple[int, int], head_dim: int | None) -> str:
+  if cuda_kernels.runs_on(90, capability) and (
+      head_dim is None or cuda_kernels.kernel_head_dim(head_dim, 90)
+      == cuda_kernels.kernel_head_dim(head_dim)):
+    return "cuda_sm90"
   if capability >= (8, 0):
     return "cuda_sm80"
   return "cuda_sm75" if capability >= (7, 5) else "cuda_sm70"
@@ -72,9 +76,11 @@ def default_path(platform: str, dtype=None, head_dim: int | None = None) -> str:
   """The path ``implementation=None`` takes on a JAX platform ("cpu", "cuda").
 
   On CUDA GPUs: the kernel path of the compute capability (7.0: "cuda_sm70",
-  7.5: "cuda_sm75", 8.0 and newer: "cuda_sm80"), except that float32 inputs
-  and head dims above 256 take "xla" (the kernels compute in 16-bit operands,
-  see ``cuda_kernels.operand_dtype``; float32 keeps jax.nn's numerics).
+  7.5: "cuda_sm75", 8.0 and newer: "cuda_sm80"; 9.0: "cuda_sm90" when H,
+  rounded up to a multiple of 32, is one of 64, which that path needs), except
+  that float32 inputs and head dims above 256 take "xla" (the kernels compute
+  in 16-bit operands, see ``cuda_kernels.operand_dtype``; float32 keeps
+  jax.nn's numerics).
   """
   if platform == "cpu":
     return "cpu"
@@ -82,7 +88,7 @@ def default_path(platform: str, dtype=None, head_dim: int | None = None) -> str:
     if (dtype is not None and jnp.dtype(dtype) == jnp.float32) or (
         head_dim is not None and head_dim > CUDA_MAX_HEAD_DIM):
       return "xla"
-    return _cuda_path_for(_compute_capability())
+    return _cuda_path_for(_compute_capability(), head_dim)
   return "xla"
 
 
@@ -105,8 +111,8 @@ def resolve_implementation(implementation: str | None = None,
   Raises:
     ValueError: for an unknown name, a fused path whose platform is not
       ``backend``, a CUDA path the GPU cannot run (``cuda_sm80`` needs compute
-      capability 8.0, ``cuda_sm75`` 7.5), or a head dim above 256 on a CUDA
-      path.
+      capability 8.0 or newer, ``cuda_sm75`` 7.5, ``cuda_sm90`` exactly 9.0),
+      or a head dim above 256 on a CUDA path.
   """
   platform = backend or jax.default_backend()
   if platform == "gpu":  # jax.default_backend()'s name for CUDA and ROCm alike
@@ -121,12 +127,14 @@ def resolve_implementation(implementation: str | None = None,
         f"{FUSED_PATHS[implementation][0]!r}, but the computation targets "
         f"{platform!r}; use implementation=None to pick a path per platform")
   if implementation in cuda_kernels.PATHS:
-    needed = divmod(cuda_kernels.PATHS[implementation], 10)
-    if _compute_capability() < needed:
+    path = cuda_kernels.PATHS[implementation]
+    if not cuda_kernels.runs_on(path, _compute_capability()):
+      major, minor = divmod(path, 10)
+      needed = "exactly 9.0" if path == 90 else f"{major}.{minor} or newer"
       raise ValueError(
           f"implementation={implementation!r} needs a GPU of compute capability "
-          f"{needed[0]}.{needed[1]} or newer; this one is "
-          f"{'.'.join(map(str, _compute_capability()))} (use implementation=None)")
+          f"{needed}; this one is {'.'.join(map(str, _compute_capability()))} "
+          f"(use implementation=None)")
     if head_dim is not None and head_dim > CUDA_MAX_HEAD_DIM:
       raise ValueError(
           f"implementation={implementation!r} supports head dims up to "
@@ -147,7 +155,7 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
   Absent optional operands are passed as empty arrays, which the handler reads
   as "none"; all options travel as one attribute dictionary that the handler
   decodes into a struct. The CUDA kernels take 16-bit q, k, v with H a
-  multiple of 32 and a float32 bias: converted and zero-padded here (zero
+  multiple of 32 (64 on path 90) and a float32 bias: converted and zero-padded here (zero
   columns change neither q . k nor, once sliced off, the output).
   """
   B, T, N, H = q.shape
@@ -156,7 +164,7 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
   kernel_path = cuda_kernels.PATHS.get(path, 0)
   if kernel_path:
     op_dtype = cuda_kernels.operand_dtype(kernel_path, jnp.dtype(q.dtype).name)
-    pad = [(0, 0)] * 3 + [(0, cuda_kernels.kernel_head_dim(H) - H)]
+    pad = [(0, 0)] * 3 + [(0, cuda_kernels.kernel_head_dim(H, kernel_path) - H)]
     q, k, v = (jnp.pad(x.astype(op_dtype), pad) for x in (q, k, v))
     if bias is not None:
       bias = bias.astype(jnp.float32)

@@ -111,8 +111,8 @@ def competitors(platform_name: str, dtype: str) -> list[Competitor]:
   """fast_attention first, then what it is compared with on this platform.
 
   On GPUs: jax.nn with "xla" and "cudnn", and fast_attention forced onto the
-  Turing path ("cuda_sm75") where the default is the sm_80 path, to time the
-  older kernel on the same silicon.
+  older kernel paths the GPU also runs ("cuda_sm80" under a "cuda_sm90"
+  default, "cuda_sm75" under either), to time them on the same silicon.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
@@ -122,7 +122,9 @@ def competitors(platform_name: str, dtype: str) -> list[Competitor]:
   ]
   if backend == "cuda":
     comps.append(Competitor("cudnn", _jax_nn("cudnn"), materializes_logits=False))
-    if fast_path == "cuda_sm80":
+    if fast_path == "cuda_sm90":
+      comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"), materializes_logits=False))
+    if fast_path in ("cuda_sm80", "cuda_sm90"):
       comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"), materializes_logits=False))
   return comps
 

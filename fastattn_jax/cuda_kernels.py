@@ -25,7 +25,7 @@ import os
 from fastattn_jax import _ffi
 
 #: Forced CUDA paths: implementation name -> kernel path code.
-PATHS = {"cuda_sm70": 70, "cuda_sm75": 75, "cuda_sm80": 80}
+PATHS = {"cuda_sm70": 70, "cuda_sm75": 75, "cuda_sm80": 80, "cuda_sm90": 90}
 #: Head dims the kernels are specialized for; H is padded up to the next one.
 HEAD_DIMS = tuple(range(32, 257, 32))
 #: Kernel dtype codes (csrc/kernels/cuda/attention_common.cuh).
@@ -82,22 +82,35 @@ def configure() -> None:
   _ffi.set_cache_dir(cache_dir())
 
 
-def kernel_head_dim(head_dim: int) -> int:
-  """The specialization serving head dim H: H rounded up to a multiple of 32."""
-  return -(-head_dim // 32) * 32
+def kernel_head_dim(head_dim: int, path: int = 80) -> int:
+  """The specialization serving head dim H: H rounded up to a multiple of 32,
+  of 64 on path 90 (its shared-memory rows are 64-element panels)."""
+  step = 64 if path == 90 else 32
+  return -(-head_dim // step) * step
+
+
+def runs_on(path: int, capability: tuple[int, int]) -> bool:
+  """Whether a GPU of compute capability (major, minor) runs kernel ``path``.
+
+  Newer GPUs run the older paths' instructions; path 90 uses wgmma, which
+  only the arch-specific sm_90a target has, so it runs on 9.0 alone.
+  """
+  if path == 90:
+    return tuple(capability) == (9, 0)
+  return tuple(capability) >= divmod(path, 10)
 
 
 def operand_dtype(path: int, dtype: str) -> str:
   """The dtype q, k and v are converted to for a kernel path.
 
-  Path 80 computes in the input's float16 or bfloat16; the Volta and Turing
+  Paths 80 and 90 compute in the input's float16 or bfloat16; the Volta and Turing
   tensor cores have no bfloat16, so paths 70 and 75 round bfloat16 inputs to
   float16 (finite values above 65504 overflow). float32 inputs are rounded to
   float16 on every path: the same 10-bit significand as the TF32 that XLA uses
   for float32 matrix products on Ampere and newer. Accumulation and the
   softmax are float32 on every path, and the output keeps the input dtype.
   """
-  return dtype if (path == 80 and dtype == "bfloat16") else "float16"
+  return dtype if (path >= 80 and dtype == "bfloat16") else "float16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +128,9 @@ class Variant:
 
 
 def paths_for_arch(arch: str) -> list[int]:
-  """Kernel paths a GPU of ``arch`` can run (newer GPUs run the older paths)."""
+  """Kernel paths a GPU of ``arch`` ("sm_90") can run; see ``runs_on``."""
   sm = int(arch.removeprefix("sm_"))
-  return [p for p in PATHS.values() if p <= sm]
+  return [p for p in PATHS.values() if runs_on(p, divmod(sm, 10))]
 
 
 def shipped_variants(arch: str, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
@@ -130,7 +143,7 @@ def shipped_variants(arch: str, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat1
       op = operand_dtype(path, dtype)
       for head_dim in head_dims:
         for g in general:
-          variants.append(Variant(path, head_dim, op, dtype, g))
+          variants.append(Variant(path, kernel_head_dim(head_dim, path), op, dtype, g))
   return list(dict.fromkeys(variants))
 
 

@@ -93,6 +93,21 @@ def test_unknown_arch_and_bad_variant_raise(cache):
     cuda_kernels.Variant(80, 48, "float16", "float16", False).compile("sm_80")
   with pytest.raises(RuntimeError, match="bfloat16"):
     cuda_kernels.Variant(75, 64, "bfloat16", "float16", False).compile("sm_75")
+  with pytest.raises(RuntimeError, match="multiple of 64"):
+    cuda_kernels.Variant(90, 96, "bfloat16", "bfloat16", False).compile("sm_90")
+  with pytest.raises(RuntimeError, match="sm_90 .* only"):
+    cuda_kernels.Variant(90, 64, "bfloat16", "bfloat16", False).compile("sm_100")
+
+
+def test_sm90_variants_are_the_wgmma_kernel(cache):
+  """Path 90 compiles for the arch-specific sm_90a target (wgmma exists
+  nowhere else) and its head dims are rounded to multiples of 64."""
+  assert cuda_kernels.paths_for_arch("sm_90") == [70, 75, 80, 90]
+  assert 90 not in cuda_kernels.paths_for_arch("sm_100")
+  assert {v.head_dim for v in cuda_kernels.shipped_variants("sm_90") if v.path == 90} == {
+      64, 128, 192, 256}
+  log = cuda_kernels.Variant(90, 128, "bfloat16", "bfloat16", False).compile("sm_90")["log"]
+  assert "sm_90a" in log, log
 
 
 def test_precompile_cli(cache, monkeypatch, capsys):

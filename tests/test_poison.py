@@ -50,13 +50,13 @@ def test_every_output_element_is_written(name, rng, impl):
   B = spec.pop("B")
   with_mask = spec.pop("mask", False)
   if impl in cuda_kernels.PATHS:
-    # The CUDA paths pad H to a multiple of 32 and convert float32 (and, before
-    # sm_80, bfloat16) to float16 around the kernel, which would then write an
-    # intermediate buffer instead of the donated one: use shapes and dtypes
-    # the kernel takes as they are (T, S, B, N stay odd).
-    spec["H"] = cuda_kernels.kernel_head_dim(spec["H"])
-    if dtype == jnp.float32 or (dtype == jnp.bfloat16 and impl != "cuda_sm80"):
-      dtype = jnp.float16
+    # The CUDA paths pad H to a multiple of 32 (64 on sm90) and convert float32
+    # (and, before sm_80, bfloat16) to float16 around the kernel, which would
+    # then write an intermediate buffer instead of the donated one: use shapes
+    # and dtypes the kernel takes as they are (T, S, B, N stay odd).
+    path = cuda_kernels.PATHS[impl]
+    spec["H"] = cuda_kernels.kernel_head_dim(spec["H"], path)
+    dtype = tu.DTYPES[cuda_kernels.operand_dtype(path, jnp.dtype(dtype).name)]
   q, k, v = tu.qkv(rng, B or 1, dtype=dtype, batch=B is not None, **spec)
   mask = None
   if with_mask:  # half the keys of every row masked (some rows fully)

@@ -47,7 +47,9 @@ const std::string* FindSource(const std::string& name) {
 }
 
 std::string SourceFile(const KernelVariant& v) {
-  return v.path == 70 ? "attention_volta.cu" : "attention_mma16.cu";
+  return v.path == 70 ? "attention_volta.cu"
+       : v.path == 90 ? "attention_wgmma.cu"
+                      : "attention_mma16.cu";
 }
 
 std::vector<std::string> Options(const KernelVariant& v) {
@@ -174,11 +176,14 @@ std::string KernelVariant::Describe() const {
 }
 
 std::string KernelVariant::Check() const {
-  if (path != 70 && path != 75 && path != 80) return "path must be 70, 75 or 80";
+  if (path != 70 && path != 75 && path != 80 && path != 90) {
+    return "path must be 70, 75, 80 or 90";
+  }
   if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
     return "head_dim must be a multiple of 32 in [32, 256]";
   }
-  if (dtype != 0 && !(dtype == 1 && path == 80)) return "bfloat16 operands need path 80";
+  if (path == 90 && head_dim % 64 != 0) return "path 90 needs a head_dim multiple of 64";
+  if (dtype != 0 && !(dtype == 1 && path >= 80)) return "bfloat16 operands need path 80 or 90";
   if (out_dtype < 0 || out_dtype > 2) return "out_dtype must be 0, 1 or 2";
   if (general != 0 && general != 1) return "general must be 0 or 1";
   return "";
@@ -189,12 +194,19 @@ void SetCacheDir(std::string dir) {
   cache_dir = std::move(dir);
 }
 
-bool GetCompiledKernel(const KernelVariant& v, const std::string& arch, CompiledKernel* out,
+bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, CompiledKernel* out,
                        std::string* error) {
   if (std::string why = v.Check(); !why.empty()) {
     *error = "invalid kernel variant " + v.Describe() + ": " + why;
     return false;
   }
+  // wgmma exists only in the arch-specific sm_90a target, whose code runs on
+  // compute capability 9.0 alone.
+  if (v.path == 90 && gpu_arch != "sm_90") {
+    *error = v.Describe() + " runs on sm_90 (H100, H200) only, not " + gpu_arch;
+    return false;
+  }
+  const std::string arch = v.path == 90 ? gpu_arch + "a" : gpu_arch;
   std::string nvrtc = NvrtcVersionFor(arch, error);
   if (nvrtc.empty()) return false;
   const std::string key = CacheKey(v, arch, nvrtc);

@@ -13,7 +13,7 @@ namespace fastattn::cuda {
 // One compiled specialization; see csrc/kernels/cuda/attention_common.cuh
 // for what each option means.
 struct KernelVariant {
-  int path = 80;        // 70, 75 or 80
+  int path = 80;        // 70, 75, 80 or 90
   int head_dim = 128;   // 32, 64, ..., 256
   int dtype = 0;        // q/k/v: 0 float16, 1 bfloat16
   int out_dtype = 0;    // 0 float16, 1 bfloat16, 2 float32

@@ -9,9 +9,10 @@
 //
 // Compile-time options of a kernel (NVRTC -D flags, set by
 // csrc/cuda/kernel_cache.cc):
-//   FA_PATH       70 (mma.m8n8k4), 75 (mma.m16n8k8), 80 (mma.m16n8k16)
+//   FA_PATH       70 (mma.m8n8k4), 75 (mma.m16n8k8), 80 (mma.m16n8k16),
+//                 90 (wgmma, sm_90a; FA_HEAD_DIM a multiple of 64)
 //   FA_HEAD_DIM   32, 64, ..., 256: the head dim H (the caller pads H up to it)
-//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_PATH 80 only)
+//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_PATH 80, 90)
 //   FA_OUT_DTYPE  out element: 0 float16, 1 bfloat16, 2 float32
 //   FA_GENERAL    1: bias, mask and soft cap are compiled in (each still off
 //                 when its FaParams field is null / 0), any scale; 0: none of

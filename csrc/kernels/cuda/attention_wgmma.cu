@@ -1,0 +1,392 @@
+// Fused forward attention on Hopper's warpgroup tensor cores: FA_PATH 90
+// (wgmma.mma_async, sm_90a), fp16/bf16, H a multiple of 64.
+//
+// Each block owns Br = 128 query rows of one (batch, head): two warpgroups of
+// 64 rows. Per key tile of Bc keys, each warpgroup computes S = Q K^T with
+// wgmma reading Q and K from shared memory, runs the online softmax on the
+// accumulators in float32 (the accumulator layout of m64nN is that of
+// mma.m16n8 per warp, so the row bookkeeping matches attention_mma16.cu), and
+// issues O += P V with P straight from registers and V from shared memory.
+// K/V tiles are double-buffered with cp.async.
+//
+// Shared memory: every tile (Q, K, V) is stored as H / 64 panels of 128-byte
+// rows (64 elements), 16-byte chunks XOR-swizzled by row % 8: the 128-byte
+// swizzle wgmma reads. Q and K are K-major operands; V, the B operand of
+// P V, is N-major (H contiguous) and read with the transpose flag.
+#include "attention_common.cuh"
+
+#if FA_PATH != 90
+#error "attention_wgmma.cu serves FA_PATH 90"
+#endif
+
+#if FA_DTYPE == 1
+#define FA_WG_T "bf16"
+#else
+#define FA_WG_T "f16"
+#endif
+
+namespace {
+
+constexpr int kH = FA_HEAD_DIM;
+static_assert(kH % 64 == 0 && kH >= 64 && kH <= 256, "head dim");
+constexpr int kWG = 2;                     // warpgroups of 64 rows
+constexpr int kThreads = kWG * 128;
+constexpr int kBr = kWG * 64;
+constexpr int kBc = kH <= 128 ? 128 : 64;  // registers: S is Bc/2, O is H/2
+constexpr int kChunks = kH / 8;            // 16-byte chunks per row
+constexpr int kStages = 2;
+constexpr int kQBytes = kBr * kH * 2;
+constexpr int kKVBytes = kBc * kH * 2;
+constexpr int kSmem = kQBytes + kStages * 2 * kKVBytes + 1024;  // + alignment
+constexpr int kNs = kBc / 8;  // n8 blocks of S
+constexpr int kNo = kH / 8;   // n8 blocks of O
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
+  unsigned r;
+  asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
+      : "=r"(r) : "l"(ptr));
+  return r;
+}
+
+// Byte offset of 16-byte chunk c of row r in a tile of `rows` rows.
+__device__ __forceinline__ unsigned swz(int rows, int r, int c) {
+  return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo,
+                                                   unsigned sbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) |
+         ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src,
+                                           bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+struct TileSrc {
+  const unsigned short* base;
+  int ld;
+  int rows_valid;
+};
+
+template <int ROWS>
+__device__ __forceinline__ void tile_async(unsigned dst, const TileSrc& s,
+                                           int tid) {
+#pragma unroll
+  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < s.rows_valid;
+    const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
+    cp_async16(dst + swz(ROWS, r, ch), src, ok);
+  }
+}
+
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+// Keeps the compiler from touching accumulators across wgmma issue / wait.
+template <int N>
+__device__ __forceinline__ void reg_fence(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int N>
+__device__ void wgmma_ss(float* d, unsigned long long a, unsigned long long b, int acc);
+template <int N>
+__device__ void wgmma_rs(float* d, const unsigned (&a)[4], unsigned long long b);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<64>(float* d, unsigned long long a, unsigned long long b, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(acc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<128>(float* d, unsigned long long a, unsigned long long b, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(acc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<64>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<128>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<192>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<256>(float* d, const unsigned (&a)[4], unsigned long long b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+
+__device__ __forceinline__ unsigned pack_in(float lo, float hi) {
+#if FA_DTYPE == 1
+  return fa_pack_bf16(lo, hi);
+#else
+  return fa_pack_f16(lo, hi);
+#endif
+}
+
+}  // namespace
+
+extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmem};
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    fa_forward(const FaParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  const int num_m = (p.T + kBr - 1) / kBr;
+  int mb = blockIdx.x % num_m;
+  const int bn = blockIdx.x / num_m;
+  const int n = bn % p.N, b = bn / p.N;
+  if (p.causal) mb = num_m - 1 - mb;
+  const int m0 = mb * kBr;
+  const int kvh = n / (p.N / p.K);
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+
+  int lo, hi;
+  fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
+  // The warpgroup's rows decide which tiles it multiplies (wgmma is issued by
+  // all four warps together); the warp's rows decide the elementwise mask.
+  const int g0 = m0 + wg * 64;
+  int glo, ghi;
+  fa_key_range(p, b, g0, g0 + 64, &glo, &ghi);
+  const int w0 = g0 + (warp & 3) * 16, w1 = w0 + 16;
+  const int t_begin = lo / kBc;
+  const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
+
+  const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
+  auto kv_src = [&](const void* kv, int tile) {
+    const int j0 = tile * kBc;
+    return TileSrc{static_cast<const unsigned short*>(kv) +
+                       ((long long)b * p.S + j0) * ld_kv + kvh * kH,
+                   (int)ld_kv, kv_len - j0};
+  };
+
+  const unsigned sbase = (smem_u32(smem) + 1023) & ~1023u;
+  const unsigned sq = sbase;
+  auto sk = [&](int st) { return sbase + kQBytes + st * 2 * kKVBytes; };
+  auto sv = [&](int st) { return sk(st) + kKVBytes; };
+
+  float o[kNo * 4];
+#pragma unroll
+  for (int i = 0; i < kNo * 4; ++i) o[i] = 0.f;
+  float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
+  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kLog2e;
+
+  if (t_end > t_begin) {
+    const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
+                           ((long long)b * p.T + m0) * ld_q + n * kH,
+                       (int)ld_q, p.T - m0};
+    tile_async<kBr>(sq, qsrc, tid);
+    tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
+    tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
+    cp_async_commit();
+
+    for (int tile = t_begin; tile < t_end; ++tile) {
+      const int n0 = tile * kBc;
+      const int st = (tile - t_begin) & 1;
+      if (tile + 1 < t_end) {
+        tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
+        tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
+      }
+      cp_async_commit();
+      cp_async_wait<1>();
+      // cp.async wrote through the generic proxy; wgmma reads through the
+      // async one.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncthreads();
+
+      if (n0 < ghi && n0 + kBc > glo) {
+        // S = Q K^T: H / 16 k-steps; a k-step is 32 bytes into a 128-byte
+        // row, every fourth one starts the next panel.
+        float s[kNs * 4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < kH / 16; ++kk) {
+          const unsigned qa = sq + (kk >> 2) * kBr * 128 + wg * 64 * 128 + (kk & 3) * 32;
+          const unsigned ka = sk(st) + (kk >> 2) * kBc * 128 + (kk & 3) * 32;
+          wgmma_ss<kBc>(s, desc(qa, 16, 1024), desc(ka, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait();
+        reg_fence<kNs * 4>(s);
+
+        const bool all_vis = fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc);
+        if (!all_vis) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = w0 + g + h * 8;
+            long long jhi = i < q_len ? kv_len : 0, jlo = 0;
+            if (p.causal) jhi = min(jhi, (long long)i + 1);
+            if (p.window_right >= 0) jhi = min(jhi, (long long)i + p.window_right + 1);
+            if (p.window_left >= 0) jlo = (long long)i - p.window_left;
+            const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
+#pragma unroll
+            for (int nt = 0; nt < kNs; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int jj = nt * 8 + 2 * t4 + e;
+                if (jj < lo_i || jj >= hi_i) s[4 * nt + 2 * h + e] = FA_NEG_INF;
+              }
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = w0 + g + h * 8;
+          float mx = FA_NEG_INF;
+#pragma unroll
+          for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float x = s[4 * nt + 2 * h + e];
+#if FA_GENERAL
+              if (x != FA_NEG_INF)
+                x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kLog2e;
+              s[4 * nt + 2 * h + e] = x;
+#endif
+              mx = fmaxf(mx, x);
+            }
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(row_m[h], mx);
+          const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
+          const float alpha = fa_ex2((row_m[h] - m_use) * to_log2);
+          row_m[h] = m_new;
+          const float m_log2 = m_use * to_log2;
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pe = fa_ex2(fmaf(s[4 * nt + 2 * h + e], to_log2, -m_log2));
+              s[4 * nt + 2 * h + e] = pe;
+              sum += pe;
+            }
+          }
+          row_l[h] = row_l[h] * alpha + sum;
+#pragma unroll
+          for (int i2 = 0; i2 < kNo; ++i2) {
+            o[4 * i2 + 2 * h] *= alpha;
+            o[4 * i2 + 2 * h + 1] *= alpha;
+          }
+        }
+
+        // O += P V: Bc / 16 k-steps of 16 keys (two 8-row swizzle atoms).
+        unsigned pa[kBc / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+          pa[kk][0] = pack_in(s[8 * kk + 0], s[8 * kk + 1]);
+          pa[kk][1] = pack_in(s[8 * kk + 2], s[8 * kk + 3]);
+          pa[kk][2] = pack_in(s[8 * kk + 4], s[8 * kk + 5]);
+          pa[kk][3] = pack_in(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        reg_fence<kNo * 4>(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+#ifdef WG_VSWAP
+          wgmma_rs<kH>(o, pa[kk], desc(sv(st) + kk * 2048, 1024, kBc * 128));
+#else
+          wgmma_rs<kH>(o, pa[kk], desc(sv(st) + kk * 2048, kBc * 128, 1024));
+#endif
+        }
+        wg_commit();
+        wg_wait();
+        reg_fence<kNo * 4>(o);
+      }
+      __syncthreads();  // the buffers of this tile are free again
+    }
+  }
+
+  float* lse = p.lse;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int i = w0 + g + h * 8;
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    if (i < p.T) {
+      const long long row = ((long long)b * p.T + i) * p.N + n;
+      if (t4 == 0)
+        lse[row] = l == 0.f ? FA_NEG_INF : (row_m[h] * to_log2 + fa_lg2(l)) * kLn2;
+#pragma unroll
+      for (int nt = 0; nt < kNo; ++nt) {
+        const float x0 = o[4 * nt + 2 * h] * inv, x1 = o[4 * nt + 2 * h + 1] * inv;
+        const long long at = row * kH + nt * 8 + 2 * t4;
+#if FA_OUT_DTYPE == 2
+        float* out = static_cast<float*>(p.out);
+        out[at] = x0;
+        out[at + 1] = x1;
+#else
+#if FA_OUT_DTYPE == 1
+        const unsigned v = fa_pack_bf16(x0, x1);
+#else
+        const unsigned v = fa_pack_f16(x0, x1);
+#endif
+        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at) = v;
+#endif
+      }
+    }
+  }
+}
