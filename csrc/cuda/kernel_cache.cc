@@ -22,7 +22,6 @@ namespace fastattn::cuda {
 
 namespace {
 
-constexpr char kCommonHeader[] = "attention_common.cuh";
 constexpr char kMagic[8] = {'F', 'A', 'C', 'U', 'B', 'I', 'N', '1'};
 
 std::mutex cache_dir_mu;
@@ -222,16 +221,22 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
     return true;
   }
   const std::string* source = FindSource(SourceFile(v));
-  const std::string* common = FindSource(kCommonHeader);
-  if (!source || !common) {
+  if (!source) {
     *error = "the extension was built without the CUDA kernel source " + SourceFile(v);
     return false;
+  }
+  // Every embedded header is offered to #include by file name.
+  std::vector<std::pair<std::string, std::string>> headers;
+  for (const auto& [file, text] : KernelSources()) {
+    if (file.size() > 4 && file.compare(file.size() - 4, 4, ".cuh") == 0) {
+      headers.emplace_back(file, text);
+    }
   }
   auto start = std::chrono::steady_clock::now();
   CompileResult r;
   {
     SlowCompileNotice notice(v.Describe() + " for " + arch + " with NVRTC " + nvrtc);
-    r = NvrtcCompile(arch, *source, SourceFile(v), {{kCommonHeader, *common}}, Options(v));
+    r = NvrtcCompile(arch, *source, SourceFile(v), headers, Options(v));
   }
   if (!r.ok) {
     *error = r.log;

@@ -13,7 +13,7 @@
 // an odd number of 16-byte chunks apart from the next, so the 8 row addresses
 // of an ldmatrix hit 8 distinct bank groups for every H that is a multiple
 // of 16, where an XOR swizzle would need H / 8 to be a power of two.
-#include "attention_common.cuh"
+#include "attention_m16n8.cuh"
 
 #if FA_PATH != 75 && FA_PATH != 80
 #error "attention_mma16.cu serves FA_PATH 75 and 80"
@@ -68,8 +68,6 @@ constexpr int kKs = kH / 16;   // k16 steps of Q K^T
 constexpr int kNs = kBc / 8;   // n8 tiles of S
 constexpr int kNo = kH / 8;    // n8 tiles of O
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 struct alignas(16) U4 {
   unsigned x, y, z, w;
@@ -273,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // the maxima commute with scaling): one fma per element takes a logit to
   // the log2 domain and subtracts the maximum. General variants have already
   // mapped every logit to the log2 domain.
-  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kLog2e;
+  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
 
   if (t_end > t_begin) {
     const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
@@ -349,81 +347,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           }
         }
 
-        // Logits (log2 domain) and the online softmax. Boundary tiles mask
-        // in a separate pass so that whole tiles pay nothing for it: each
-        // row's visible keys are one interval [jlo, jhi) under the index
-        // rules, so an element costs two compares.
+        // The online softmax. Boundary tiles mask in a separate pass so that
+        // whole tiles pay nothing for it.
         const bool all_vis = fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc);
         if (!all_vis) {
 #pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int i = w0 + mt * 16 + g + h * 8;
-              long long jhi = i < q_len ? kv_len : 0, jlo = 0;
-              if (p.causal) jhi = min(jhi, (long long)i + 1);
-              if (p.window_right >= 0) jhi = min(jhi, (long long)i + p.window_right + 1);
-              if (p.window_left >= 0) jlo = (long long)i - p.window_left;
-              const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
-#pragma unroll
-              for (int nt = 0; nt < kNs; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int jj = nt * 8 + 2 * t4 + e;  // key - n0
-                  if (jj < lo_i || jj >= hi_i) s[mt][nt][2 * h + e] = FA_NEG_INF;
-                }
-            }
-          }
+          for (int mt = 0; mt < kMt; ++mt)
+            fa_mask_rows(p, s[mt], w0 + mt * 16 + g, n0, q_len, kv_len, t4);
         }
 #pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = w0 + mt * 16 + g + h * 8;
-            float mx = FA_NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < kNs; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float x = s[mt][nt][2 * h + e];
-#if FA_GENERAL
-                // Masked keys stay -inf; bias / mask are read only for
-                // visible (i, j), the only ones in bounds.
-                if (x != FA_NEG_INF)
-                  x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kLog2e;
-                s[mt][nt][2 * h + e] = x;
-#endif
-                mx = fmaxf(mx, x);
-              }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(row_m[mt][h], mx);
-            // A row with nothing visible yet keeps every exponent at -inf:
-            // subtract 0 rather than -inf so they give 0, not NaN.
-            const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-            const float alpha = fa_ex2((row_m[mt][h] - m_use) * to_log2);
-            row_m[mt][h] = m_new;
-            const float m_log2 = m_use * to_log2;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < kNs; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float pe = fa_ex2(fmaf(s[mt][nt][2 * h + e], to_log2, -m_log2));
-                s[mt][nt][2 * h + e] = pe;
-                sum += pe;
-              }
-            }
-            // Per-thread partial sums; the quad reduces once at the end.
-            row_l[mt][h] = row_l[mt][h] * alpha + sum;
-#pragma unroll
-            for (int i2 = 0; i2 < kNo; ++i2) {
-              o[mt][i2][2 * h] *= alpha;
-              o[mt][i2][2 * h + 1] *= alpha;
-            }
-          }
-        }
+        for (int mt = 0; mt < kMt; ++mt)
+          fa_softmax_step(p, s[mt], o[mt], row_m[mt], row_l[mt], b, n, w0 + mt * 16 + g, n0,
+                          t4, to_log2);
       }
 
 #if FA_PATH == 75
@@ -471,39 +406,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // Normalize and write. Rows with no visible key have l == 0 exactly.
-  float* lse = p.lse;
 #pragma unroll
-  for (int mt = 0; mt < kMt; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = row_l[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int i = w0 + mt * 16 + g + h * 8;
-      const float inv = l == 0.f ? 0.f : 1.f / l;
-      if (i < p.T) {
-        const long long row = ((long long)b * p.T + i) * p.N + n;
-        if (t4 == 0)
-          lse[row] = l == 0.f ? FA_NEG_INF : (row_m[mt][h] * to_log2 + fa_lg2(l)) * kLn2;
-#pragma unroll
-        for (int nt = 0; nt < kNo; ++nt) {
-          const float x0 = o[mt][nt][2 * h] * inv, x1 = o[mt][nt][2 * h + 1] * inv;
-          const long long at = row * kH + nt * 8 + 2 * t4;
-#if FA_OUT_DTYPE == 2
-          float* out = static_cast<float*>(p.out);
-          out[at] = x0;
-          out[at + 1] = x1;
-#else
-#if FA_OUT_DTYPE == 1
-          const unsigned v = fa_pack_bf16(x0, x1);
-#else
-          const unsigned v = fa_pack_f16(x0, x1);
-#endif
-          *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at) = v;
-#endif
-        }
-      }
-    }
-  }
+  for (int mt = 0; mt < kMt; ++mt)
+    fa_write_rows(p, o[mt], row_m[mt], row_l[mt], b, n, w0 + mt * 16 + g, t4, to_log2);
 }

@@ -13,7 +13,7 @@
 // rows (64 elements), 16-byte chunks XOR-swizzled by row % 8: the 128-byte
 // swizzle wgmma reads. Q and K are K-major operands; V, the B operand of
 // P V, is N-major (H contiguous) and read with the transpose flag.
-#include "attention_common.cuh"
+#include "attention_m16n8.cuh"
 
 #if FA_PATH != 90
 #error "attention_wgmma.cu serves FA_PATH 90"
@@ -41,8 +41,6 @@ constexpr int kSmem = kQBytes + kStages * 2 * kKVBytes + 1024;  // + alignment
 constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
   unsigned r;
@@ -226,11 +224,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   auto sk = [&](int st) { return sbase + kQBytes + st * 2 * kKVBytes; };
   auto sv = [&](int st) { return sk(st) + kKVBytes; };
 
-  float o[kNo * 4];
+  float o[kNo][4];
 #pragma unroll
-  for (int i = 0; i < kNo * 4; ++i) o[i] = 0.f;
+  for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
-  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kLog2e;
+  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
 
   if (t_end > t_begin) {
     const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
@@ -258,135 +256,46 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (n0 < ghi && n0 + kBc > glo) {
         // S = Q K^T: H / 16 k-steps; a k-step is 32 bytes into a 128-byte
         // row, every fourth one starts the next panel.
-        float s[kNs * 4];
+        float s[kNs][4];
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < kH / 16; ++kk) {
           const unsigned qa = sq + (kk >> 2) * kBr * 128 + wg * 64 * 128 + (kk & 3) * 32;
           const unsigned ka = sk(st) + (kk >> 2) * kBc * 128 + (kk & 3) * 32;
-          wgmma_ss<kBc>(s, desc(qa, 16, 1024), desc(ka, 16, 1024), kk > 0);
+          wgmma_ss<kBc>(&s[0][0], desc(qa, 16, 1024), desc(ka, 16, 1024), kk > 0);
         }
         wg_commit();
         wg_wait();
-        reg_fence<kNs * 4>(s);
+        reg_fence<kNs * 4>(&s[0][0]);
 
-        const bool all_vis = fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc);
-        if (!all_vis) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = w0 + g + h * 8;
-            long long jhi = i < q_len ? kv_len : 0, jlo = 0;
-            if (p.causal) jhi = min(jhi, (long long)i + 1);
-            if (p.window_right >= 0) jhi = min(jhi, (long long)i + p.window_right + 1);
-            if (p.window_left >= 0) jlo = (long long)i - p.window_left;
-            const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
-#pragma unroll
-            for (int nt = 0; nt < kNs; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int jj = nt * 8 + 2 * t4 + e;
-                if (jj < lo_i || jj >= hi_i) s[4 * nt + 2 * h + e] = FA_NEG_INF;
-              }
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i = w0 + g + h * 8;
-          float mx = FA_NEG_INF;
-#pragma unroll
-          for (int nt = 0; nt < kNs; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float x = s[4 * nt + 2 * h + e];
-#if FA_GENERAL
-              if (x != FA_NEG_INF)
-                x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kLog2e;
-              s[4 * nt + 2 * h + e] = x;
-#endif
-              mx = fmaxf(mx, x);
-            }
-          }
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(row_m[h], mx);
-          const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-          const float alpha = fa_ex2((row_m[h] - m_use) * to_log2);
-          row_m[h] = m_new;
-          const float m_log2 = m_use * to_log2;
-          float sum = 0.f;
-#pragma unroll
-          for (int nt = 0; nt < kNs; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pe = fa_ex2(fmaf(s[4 * nt + 2 * h + e], to_log2, -m_log2));
-              s[4 * nt + 2 * h + e] = pe;
-              sum += pe;
-            }
-          }
-          row_l[h] = row_l[h] * alpha + sum;
-#pragma unroll
-          for (int i2 = 0; i2 < kNo; ++i2) {
-            o[4 * i2 + 2 * h] *= alpha;
-            o[4 * i2 + 2 * h + 1] *= alpha;
-          }
-        }
+        if (!fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc))
+          fa_mask_rows(p, s, w0 + g, n0, q_len, kv_len, t4);
+        fa_softmax_step(p, s, o, row_m, row_l, b, n, w0 + g, n0, t4, to_log2);
 
         // O += P V: Bc / 16 k-steps of 16 keys (two 8-row swizzle atoms).
         unsigned pa[kBc / 16][4];
 #pragma unroll
         for (int kk = 0; kk < kBc / 16; ++kk) {
-          pa[kk][0] = pack_in(s[8 * kk + 0], s[8 * kk + 1]);
-          pa[kk][1] = pack_in(s[8 * kk + 2], s[8 * kk + 3]);
-          pa[kk][2] = pack_in(s[8 * kk + 4], s[8 * kk + 5]);
-          pa[kk][3] = pack_in(s[8 * kk + 6], s[8 * kk + 7]);
+          pa[kk][0] = pack_in(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = pack_in(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
-        reg_fence<kNo * 4>(o);
+        reg_fence<kNo * 4>(&o[0][0]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < kBc / 16; ++kk) {
-#ifdef WG_VSWAP
-          wgmma_rs<kH>(o, pa[kk], desc(sv(st) + kk * 2048, 1024, kBc * 128));
-#else
-          wgmma_rs<kH>(o, pa[kk], desc(sv(st) + kk * 2048, kBc * 128, 1024));
-#endif
+          // N-major: LBO steps between 64-column panels, SBO between 8-key
+          // atoms.
+          wgmma_rs<kH>(&o[0][0], pa[kk], desc(sv(st) + kk * 2048, kBc * 128, 1024));
         }
         wg_commit();
         wg_wait();
-        reg_fence<kNo * 4>(o);
+        reg_fence<kNo * 4>(&o[0][0]);
       }
       __syncthreads();  // the buffers of this tile are free again
     }
   }
 
-  float* lse = p.lse;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = row_l[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int i = w0 + g + h * 8;
-    const float inv = l == 0.f ? 0.f : 1.f / l;
-    if (i < p.T) {
-      const long long row = ((long long)b * p.T + i) * p.N + n;
-      if (t4 == 0)
-        lse[row] = l == 0.f ? FA_NEG_INF : (row_m[h] * to_log2 + fa_lg2(l)) * kLn2;
-#pragma unroll
-      for (int nt = 0; nt < kNo; ++nt) {
-        const float x0 = o[4 * nt + 2 * h] * inv, x1 = o[4 * nt + 2 * h + 1] * inv;
-        const long long at = row * kH + nt * 8 + 2 * t4;
-#if FA_OUT_DTYPE == 2
-        float* out = static_cast<float*>(p.out);
-        out[at] = x0;
-        out[at + 1] = x1;
-#else
-#if FA_OUT_DTYPE == 1
-        const unsigned v = fa_pack_bf16(x0, x1);
-#else
-        const unsigned v = fa_pack_f16(x0, x1);
-#endif
-        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at) = v;
-#endif
-      }
-    }
-  }
+  fa_write_rows(p, o, row_m, row_l, b, n, w0 + g, t4, to_log2);
 }

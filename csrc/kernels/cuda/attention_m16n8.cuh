@@ -1,0 +1,139 @@
+// The per-row work of the tensor-core kernels on accumulators in the
+// mma.m16n8 C-fragment layout: the tiling-mask of a boundary tile, one online
+// softmax step, and the final normalize-and-write. Shared by
+// attention_mma16.cu (mma.m16n8k16 / m16n8k8) and attention_wgmma.cu (wgmma
+// m64nN, whose accumulators each warp holds in the same layout for its 16
+// rows).
+//
+// For a 16-row tile a thread (g = lane / 4, t4 = lane % 4) holds, per block
+// nt of 8 columns, c[nt][0..1] at row row0 = (tile row) + g and columns
+// 8 nt + 2 t4 + {0, 1}, and c[nt][2..3] at row row0 + 8. Row statistics are
+// per thread: the four threads of a quad share a row and combine by shuffles.
+#pragma once
+
+#include "attention_common.cuh"
+
+constexpr float kFaLog2e = 1.4426950408889634f;
+constexpr float kFaLn2 = 0.6931471805599453f;
+
+// Sets to -inf the logits of keys [n0, n0 + 8 kNs) that the index rules hide
+// from rows row0 and row0 + 8: under them each row sees one interval of keys
+// [jlo, jhi), so an element costs two compares.
+template <int kNs>
+__device__ __forceinline__ void fa_mask_rows(const FaParams& p, float (&s)[kNs][4], int row0,
+                                             int n0, int q_len, int kv_len, int t4) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = row0 + h * 8;
+    long long jhi = i < q_len ? kv_len : 0, jlo = 0;
+    if (p.causal) jhi = min(jhi, (long long)i + 1);
+    if (p.window_right >= 0) jhi = min(jhi, (long long)i + p.window_right + 1);
+    if (p.window_left >= 0) jlo = (long long)i - p.window_left;
+    const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
+#pragma unroll
+    for (int nt = 0; nt < kNs; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jj = nt * 8 + 2 * t4 + e;  // key - n0
+        if (jj < lo_i || jj >= hi_i) s[nt][2 * h + e] = FA_NEG_INF;
+      }
+  }
+}
+
+// One online-softmax step for rows row0 and row0 + 8 over the key tile at n0:
+// turns the Q K^T accumulators s into probabilities (log2 domain, one ex2 per
+// logit), rescales the output accumulators o and updates the row maximum m
+// and partial sum l. Plain variants (FA_GENERAL 0) keep unscaled logits and
+// maxima, to_log2 = scale * log2(e) > 0 taking them to the log2 domain in the
+// same fma that subtracts the maximum; general variants map each visible
+// logit through fa_general_logit first and pass to_log2 = 1.
+template <int kNs, int kNo>
+__device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kNs][4],
+                                                float (&o)[kNo][4], float (&m)[2],
+                                                float (&l)[2], int b, int n, int row0,
+                                                int n0, int t4, float to_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    [[maybe_unused]] const int i = row0 + h * 8;
+    float mx = FA_NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = s[nt][2 * h + e];
+#if FA_GENERAL
+        // Masked keys stay -inf; bias / mask are read only for visible
+        // (i, j), the only ones in bounds.
+        if (x != FA_NEG_INF)
+          x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kFaLog2e;
+        s[nt][2 * h + e] = x;
+#endif
+        mx = fmaxf(mx, x);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    // A row with nothing visible yet keeps every exponent at -inf: subtract 0
+    // rather than -inf so they give 0, not NaN.
+    const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
+    const float alpha = fa_ex2((m[h] - m_use) * to_log2);
+    m[h] = m_new;
+    const float m_log2 = m_use * to_log2;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = fa_ex2(fmaf(s[nt][2 * h + e], to_log2, -m_log2));
+        s[nt][2 * h + e] = pe;
+        sum += pe;
+      }
+    }
+    // Per-thread partial sums; the quad reduces once, in fa_write_rows.
+    l[h] = l[h] * alpha + sum;
+#pragma unroll
+    for (int i2 = 0; i2 < kNo; ++i2) {
+      o[i2][2 * h] *= alpha;
+      o[i2][2 * h + 1] *= alpha;
+    }
+  }
+}
+
+// Normalizes rows row0 and row0 + 8 (those < T) and writes them to out
+// (FA_OUT_DTYPE) and their natural-log LSE to lse. Rows with no visible key
+// have l == 0 exactly: they get 0 and -inf.
+template <int kNo>
+__device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o)[kNo][4],
+                                              const float (&m)[2], const float (&l)[2],
+                                              int b, int n, int row0, int t4, float to_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float lh = l[h];
+    lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+    lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+    const int i = row0 + h * 8;
+    const float inv = lh == 0.f ? 0.f : 1.f / lh;
+    if (i < p.T) {
+      const long long row = ((long long)b * p.T + i) * p.N + n;
+      if (t4 == 0) p.lse[row] = lh == 0.f ? FA_NEG_INF : (m[h] * to_log2 + fa_lg2(lh)) * kFaLn2;
+#pragma unroll
+      for (int nt = 0; nt < kNo; ++nt) {
+        const float x0 = o[nt][2 * h] * inv, x1 = o[nt][2 * h + 1] * inv;
+        const long long at = row * (kNo * 8) + nt * 8 + 2 * t4;
+#if FA_OUT_DTYPE == 2
+        float* out = static_cast<float*>(p.out);
+        out[at] = x0;
+        out[at + 1] = x1;
+#else
+#if FA_OUT_DTYPE == 1
+        const unsigned v = fa_pack_bf16(x0, x1);
+#else
+        const unsigned v = fa_pack_f16(x0, x1);
+#endif
+        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at) = v;
+#endif
+      }
+    }
+  }
+}
