@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import _ffi, cuda_kernels, precompile
+from fastattn_jax import _ffi, backends, cuda_kernels, precompile
 
 ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 
@@ -97,6 +97,21 @@ def test_unknown_arch_and_bad_variant_raise(cache):
     cuda_kernels.Variant(90, 96, "bfloat16", "bfloat16", False).compile("sm_90")
   with pytest.raises(RuntimeError, match="sm_90 .* only"):
     cuda_kernels.Variant(90, 64, "bfloat16", "bfloat16", False).compile("sm_100")
+
+
+@pytest.mark.parametrize("capability, head_dim, path", [
+    ((7, 0), 64, "cuda_sm70"), ((7, 2), 64, "cuda_sm70"), ((7, 5), 128, "cuda_sm75"),
+    ((8, 0), 64, "cuda_sm80"), ((8, 6), 128, "cuda_sm80"), ((8, 9), None, "cuda_sm80"),
+    ((9, 0), None, "cuda_sm90"), ((9, 0), 40, "cuda_sm90"), ((9, 0), 128, "cuda_sm90"),
+    ((9, 0), 256, "cuda_sm90"), ((9, 0), 96, "cuda_sm80"), ((9, 0), 160, "cuda_sm80"),
+    ((10, 0), 128, "cuda_sm80"), ((12, 0), 64, "cuda_sm80"),
+])
+def test_path_choice_by_compute_capability(capability, head_dim, path):
+  """What implementation=None runs on each GPU generation (no GPU needed):
+  sm_90a code runs on 9.0 only, and only for H that pads to a multiple of 64
+  no further than to a multiple of 32."""
+  assert backends._cuda_path_for(capability, head_dim) == path
+  assert cuda_kernels.runs_on(cuda_kernels.PATHS[path], capability)
 
 
 def test_sm90_variants_are_the_wgmma_kernel(cache):
