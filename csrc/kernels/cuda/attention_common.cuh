@@ -1,6 +1,7 @@
 // What every CUDA attention kernel shares: the launch parameters, the
-// tiling-mask (which keys a row block can see), the logit transform and
-// float <-> 16-bit conversions.
+// tiling-mask (which keys a row block can see), the logit transform,
+// float <-> 16-bit conversions, which rows a block owns, and the
+// shared-memory and cp.async helpers.
 //
 // Compiled two ways: by NVRTC as part of a kernel (no CUDA headers: the
 // conversions are inline PTX), and by the host compiler for the layout of
@@ -189,5 +190,64 @@ __device__ __forceinline__ float fa_f16_to_f32(unsigned short h) {
 __device__ __forceinline__ float fa_bf16_to_f32(unsigned short h) {
   return __uint_as_float(((unsigned)h) << 16);
 }
+
+// q, k, v elements of the kernel's FA_DTYPE, two per register.
+__device__ __forceinline__ unsigned fa_pack_in(float lo, float hi) {
+#if FA_DTYPE == 1
+  return fa_pack_bf16(lo, hi);
+#else
+  return fa_pack_f16(lo, hi);
+#endif
+}
+
+// --- Blocks and tiles ---------------------------------------------------------
+
+// What a block of fa_forward owns: query rows [m0, m0 + block_m) of batch b,
+// head n (reading key/value head kvh). Consecutive blocks share (b, n), so the
+// K/V they stream hit L2 together; causal row blocks go heaviest first to
+// shorten the tail.
+struct FaBlock {
+  int b, n, kvh, m0, q_len, kv_len;
+};
+
+__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m) {
+  const int num_m = (p.T + block_m - 1) / block_m;
+  int mb = blockIdx.x % num_m;
+  const int bn = blockIdx.x / num_m;
+  const int n = bn % p.N, b = bn / p.N;
+  if (p.causal) mb = num_m - 1 - mb;
+  return FaBlock{b, n, n / (p.N / p.K), mb * block_m, fa_q_len(p, b), fa_kv_len(p, b)};
+}
+
+// A tile of rows of a (B, L, heads, H) 16-bit array: row r at base + r * ld;
+// rows >= rows_valid do not exist (loaded as zeros).
+struct FaTileSrc {
+  const unsigned short* base;
+  int ld;
+  int rows_valid;
+};
+
+// --- Shared memory --------------------------------------------------------------
+
+__device__ __forceinline__ unsigned fa_smem_u32(const void* ptr) {
+  unsigned r;
+  asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
+      : "=r"(r) : "l"(ptr));
+  return r;
+}
+
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void fa_cp_async16(unsigned dst, const void* src, bool valid) {
+  // src-size 0 writes zeros without touching global memory: keys past the
+  // length (possibly garbage) and rows past T are never read.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void fa_cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void fa_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+#endif
 
 #endif  // __CUDACC_RTC__

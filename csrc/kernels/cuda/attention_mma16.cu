@@ -73,13 +73,6 @@ struct alignas(16) U4 {
   unsigned x, y, z, w;
 };
 
-__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
-  unsigned r;
-  asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
-      : "=r"(r) : "l"(ptr));
-  return r;
-}
-
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -123,43 +116,10 @@ __device__ __forceinline__ void mma16(float (&c)[4], const unsigned (&a)[4],
 #endif
 }
 
-__device__ __forceinline__ unsigned pack_in(float lo, float hi) {
-#if FA_DTYPE == 1
-  return fa_pack_bf16(lo, hi);
-#else
-  return fa_pack_f16(lo, hi);
-#endif
-}
-
-
-#if FA_PATH == 80
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src,
-                                           bool valid) {
-  // src-size 0 writes zeros without touching global memory: keys past the
-  // length (possibly garbage) and rows past T are never read.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-#endif
-
-// A rows x H tile of a (B, L, heads, H) array starting at row r0, rows >= rmax
-// zero; ld is the row stride in elements.
-struct TileSrc {
-  const unsigned short* base;  // element (b, r0, head, 0)
-  int ld;
-  int rows_valid;              // rows [0, rows_valid) exist
-};
 
 #if FA_PATH == 80
 template <int ROWS>
-__device__ __forceinline__ void tile_async(unsigned dst, const TileSrc& s,
+__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
                                            int tid) {
 #pragma unroll
   for (int i = 0; i < (ROWS * kChunks + kThreads - 1) / kThreads; ++i) {
@@ -170,7 +130,7 @@ __device__ __forceinline__ void tile_async(unsigned dst, const TileSrc& s,
     // 32-bit offsets: a tile spans < 2^31 elements, and 64-bit ones per
     // chunk would pin dozens of registers across the loop.
     const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
-    cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
+    fa_cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
   }
 }
 #endif
@@ -180,7 +140,7 @@ template <int ROWS>
 struct TileRegs {
   static constexpr int kN = (ROWS * kChunks + kThreads - 1) / kThreads;
   U4 v[kN];
-  __device__ __forceinline__ void load(const TileSrc& s, int tid) {
+  __device__ __forceinline__ void load(const FaTileSrc& s, int tid) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       int c = tid + i * kThreads;
@@ -211,16 +171,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  // Consecutive blocks share (b, n), so the K/V they stream hit L2 together;
-  // causal row blocks go heaviest first to shorten the tail.
-  const int num_m = (p.T + kBr - 1) / kBr;
-  int mb = blockIdx.x % num_m;
-  const int bn = blockIdx.x / num_m;
-  const int n = bn % p.N, b = bn / p.N;
-  if (p.causal) mb = num_m - 1 - mb;
-  const int m0 = mb * kBr;
-  const int kvh = n / (p.N / p.K);
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  const FaBlock blk = fa_block(p, kBr);
+  const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
+  const int q_len = blk.q_len, kv_len = blk.kv_len;
 
   int lo, hi;
   fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
@@ -237,12 +190,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // rather than held in registers across the loop.
   auto kv_src = [&](const void* kv, int tile) {
     const int j0 = tile * kBc;
-    return TileSrc{static_cast<const unsigned short*>(kv) +
-                       ((long long)b * p.S + j0) * ld_kv + kvh * kH,
-                   (int)ld_kv, kv_len - j0};
+    return FaTileSrc{static_cast<const unsigned short*>(kv) +
+                         ((long long)b * p.S + j0) * ld_kv + kvh * kH,
+                     (int)ld_kv, kv_len - j0};
   };
 
-  const unsigned sbase = smem_u32(smem);
+  const unsigned sbase = fa_smem_u32(smem);
   const unsigned sq = sbase;
   auto sk = [&](int st) { return sbase + (kBr + st * 2 * kBc) * kRowBytes; };
   auto sv = [&](int st) { return sk(st) + kBc * kRowBytes; };
@@ -274,14 +227,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
 
   if (t_end > t_begin) {
-    const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
-                           ((long long)b * p.T + m0) * ld_q + n * kH,
-                       (int)ld_q, p.T - m0};
+    const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) +
+                             ((long long)b * p.T + m0) * ld_q + n * kH,
+                         (int)ld_q, p.T - m0};
 #if FA_PATH == 80
     tile_async<kBr>(sq, qsrc, tid);
     tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
     tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
-    cp_async_commit();
+    fa_cp_async_commit();
 #else
     {
       TileRegs<kBr> rq;
@@ -304,10 +257,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (has_next) {
         tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
         tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
-        cp_async_commit();
-        cp_async_wait<1>();
+        fa_cp_async_commit();
+        fa_cp_async_wait<1>();
       } else {
-        cp_async_wait<0>();
+        fa_cp_async_wait<0>();
       }
       __syncthreads();
 #else
@@ -378,10 +331,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           unsigned pa[kMt][4];
 #pragma unroll
           for (int mt = 0; mt < kMt; ++mt) {
-            pa[mt][0] = pack_in(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            pa[mt][1] = pack_in(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            pa[mt][2] = pack_in(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            pa[mt][3] = pack_in(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            pa[mt][0] = fa_pack_in(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            pa[mt][1] = fa_pack_in(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            pa[mt][2] = fa_pack_in(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            pa[mt][3] = fa_pack_in(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
           }
 #pragma unroll
           for (int np = 0; np < kNo / 2; ++np) {

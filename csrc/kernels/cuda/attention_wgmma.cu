@@ -42,13 +42,6 @@ constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
 
 
-__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
-  unsigned r;
-  asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
-      : "=r"(r) : "l"(ptr));
-  return r;
-}
-
 // Byte offset of 16-byte chunk c of row r in a tile of `rows` rows.
 __device__ __forceinline__ unsigned swz(int rows, int r, int c) {
   return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
@@ -62,27 +55,8 @@ __device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo,
          ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src,
-                                           bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-struct TileSrc {
-  const unsigned short* base;
-  int ld;
-  int rows_valid;
-};
-
 template <int ROWS>
-__device__ __forceinline__ void tile_async(unsigned dst, const TileSrc& s,
+__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
                                            int tid) {
 #pragma unroll
   for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
@@ -90,7 +64,7 @@ __device__ __forceinline__ void tile_async(unsigned dst, const TileSrc& s,
     const int r = c / kChunks, ch = c % kChunks;
     const bool ok = r < s.rows_valid;
     const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
-    cp_async16(dst + swz(ROWS, r, ch), src, ok);
+    fa_cp_async16(dst + swz(ROWS, r, ch), src, ok);
   }
 }
 
@@ -172,14 +146,6 @@ __device__ __forceinline__ void wgmma_rs<256>(float* d, const unsigned (&a)[4], 
 }
 
 
-__device__ __forceinline__ unsigned pack_in(float lo, float hi) {
-#if FA_DTYPE == 1
-  return fa_pack_bf16(lo, hi);
-#else
-  return fa_pack_f16(lo, hi);
-#endif
-}
-
 }  // namespace
 
 extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmem};
@@ -191,14 +157,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
 
-  const int num_m = (p.T + kBr - 1) / kBr;
-  int mb = blockIdx.x % num_m;
-  const int bn = blockIdx.x / num_m;
-  const int n = bn % p.N, b = bn / p.N;
-  if (p.causal) mb = num_m - 1 - mb;
-  const int m0 = mb * kBr;
-  const int kvh = n / (p.N / p.K);
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  const FaBlock blk = fa_block(p, kBr);
+  const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
+  const int q_len = blk.q_len, kv_len = blk.kv_len;
 
   int lo, hi;
   fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
@@ -214,12 +175,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
   auto kv_src = [&](const void* kv, int tile) {
     const int j0 = tile * kBc;
-    return TileSrc{static_cast<const unsigned short*>(kv) +
-                       ((long long)b * p.S + j0) * ld_kv + kvh * kH,
-                   (int)ld_kv, kv_len - j0};
+    return FaTileSrc{static_cast<const unsigned short*>(kv) +
+                         ((long long)b * p.S + j0) * ld_kv + kvh * kH,
+                     (int)ld_kv, kv_len - j0};
   };
 
-  const unsigned sbase = (smem_u32(smem) + 1023) & ~1023u;
+  const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
   auto sk = [&](int st) { return sbase + kQBytes + st * 2 * kKVBytes; };
   auto sv = [&](int st) { return sk(st) + kKVBytes; };
@@ -231,13 +192,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
 
   if (t_end > t_begin) {
-    const TileSrc qsrc{static_cast<const unsigned short*>(p.q) +
-                           ((long long)b * p.T + m0) * ld_q + n * kH,
-                       (int)ld_q, p.T - m0};
+    const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) +
+                             ((long long)b * p.T + m0) * ld_q + n * kH,
+                         (int)ld_q, p.T - m0};
     tile_async<kBr>(sq, qsrc, tid);
     tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
     tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
-    cp_async_commit();
+    fa_cp_async_commit();
 
     for (int tile = t_begin; tile < t_end; ++tile) {
       const int n0 = tile * kBc;
@@ -246,8 +207,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
         tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
       }
-      cp_async_commit();
-      cp_async_wait<1>();
+      fa_cp_async_commit();
+      fa_cp_async_wait<1>();
       // cp.async wrote through the generic proxy; wgmma reads through the
       // async one.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -276,10 +237,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         unsigned pa[kBc / 16][4];
 #pragma unroll
         for (int kk = 0; kk < kBc / 16; ++kk) {
-          pa[kk][0] = pack_in(s[2 * kk][0], s[2 * kk][1]);
-          pa[kk][1] = pack_in(s[2 * kk][2], s[2 * kk][3]);
-          pa[kk][2] = pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pa[kk][3] = pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          pa[kk][0] = fa_pack_in(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = fa_pack_in(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = fa_pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
         reg_fence<kNo * 4>(&o[0][0]);
         wg_fence();
