@@ -40,18 +40,19 @@ __device__ __forceinline__ void fa_mask_rows(const FaParams& p, float (&s)[kNs][
   }
 }
 
-// One online-softmax step for rows row0 and row0 + 8 over the key tile at n0:
-// turns the Q K^T accumulators s into probabilities (log2 domain, one ex2 per
-// logit), rescales the output accumulators o and updates the row maximum m
-// and partial sum l. Plain variants (FA_GENERAL 0) keep unscaled logits and
+// The probabilities of one online-softmax step for rows row0 and row0 + 8
+// over the key tile at n0: turns the Q K^T accumulators s into probabilities
+// (log2 domain, one ex2 per logit), updates the row maximum m and partial sum
+// l, and returns in alpha the factor the output rows must be rescaled by
+// (fa_rescale_rows). Plain variants (FA_GENERAL 0) keep unscaled logits and
 // maxima, to_log2 = scale * log2(e) > 0 taking them to the log2 domain in the
 // same fma that subtracts the maximum; general variants map each visible
 // logit through fa_general_logit first and pass to_log2 = 1.
-template <int kNs, int kNo>
-__device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kNs][4],
-                                                float (&o)[kNo][4], float (&m)[2],
-                                                float (&l)[2], int b, int n, int row0,
-                                                int n0, int t4, float to_log2) {
+template <int kNs>
+__device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[kNs][4],
+                                                 float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2], int b, int n, int row0,
+                                                 int n0, int t4, float to_log2) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     [[maybe_unused]] const int i = row0 + h * 8;
@@ -77,7 +78,7 @@ __device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kN
     // A row with nothing visible yet keeps every exponent at -inf: subtract 0
     // rather than -inf so they give 0, not NaN.
     const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-    const float alpha = fa_ex2((m[h] - m_use) * to_log2);
+    alpha[h] = fa_ex2((m[h] - m_use) * to_log2);
     m[h] = m_new;
     const float m_log2 = m_use * to_log2;
     float sum = 0.f;
@@ -91,13 +92,31 @@ __device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kN
       }
     }
     // Per-thread partial sums; the quad reduces once, in fa_write_rows.
-    l[h] = l[h] * alpha + sum;
-#pragma unroll
-    for (int i2 = 0; i2 < kNo; ++i2) {
-      o[i2][2 * h] *= alpha;
-      o[i2][2 * h + 1] *= alpha;
-    }
+    l[h] = l[h] * alpha[h] + sum;
   }
+}
+
+// Rescales output rows row0 (alpha[0]) and row0 + 8 (alpha[1]).
+template <int kNo>
+__device__ __forceinline__ void fa_rescale_rows(float (&o)[kNo][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < kNo; ++i) {
+    o[i][0] *= alpha[0];
+    o[i][1] *= alpha[0];
+    o[i][2] *= alpha[1];
+    o[i][3] *= alpha[1];
+  }
+}
+
+// One online-softmax step: fa_softmax_probs, then the rescale.
+template <int kNs, int kNo>
+__device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kNs][4],
+                                                float (&o)[kNo][4], float (&m)[2],
+                                                float (&l)[2], int b, int n, int row0,
+                                                int n0, int t4, float to_log2) {
+  float alpha[2];
+  fa_softmax_probs(p, s, m, l, alpha, b, n, row0, n0, t4, to_log2);
+  fa_rescale_rows(o, alpha);
 }
 
 // Normalizes rows row0 and row0 + 8 (those < T) and writes them to out

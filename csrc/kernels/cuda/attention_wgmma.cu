@@ -5,9 +5,11 @@
 // 64 rows. Per key tile of Bc keys, each warpgroup computes S = Q K^T with
 // wgmma reading Q and K from shared memory, runs the online softmax on the
 // accumulators in float32 (the accumulator layout of m64nN is that of
-// mma.m16n8 per warp, so the row bookkeeping matches attention_mma16.cu), and
-// issues O += P V with P straight from registers and V from shared memory.
-// K/V tiles are double-buffered with cp.async.
+// mma.m16n8 per warp: attention_m16n8.cuh), and issues O += P V with P
+// straight from registers and V from shared memory. The products of one tile
+// are issued together with those of the next, so that the softmax of tile j
+// runs while the tensor cores compute P(j-1) V(j-1). K and V tiles are
+// double-buffered with cp.async.
 //
 // Shared memory: every tile (Q, K, V) is stored as H / 64 panels of 128-byte
 // rows (64 elements), 16-byte chunks XOR-swizzled by row % 8: the 128-byte
@@ -32,7 +34,9 @@ static_assert(kH % 64 == 0 && kH >= 64 && kH <= 256, "head dim");
 constexpr int kWG = 2;                     // warpgroups of 64 rows
 constexpr int kThreads = kWG * 128;
 constexpr int kBr = kWG * 64;
-constexpr int kBc = kH <= 128 ? 128 : 64;  // registers: S is Bc/2, O is H/2
+// Bc: registers hold S (Bc / 2 per thread), the previous tile's P (Bc / 4)
+// and O (H / 2) at once; these are the widest that do not spill.
+constexpr int kBc = kH <= 128 ? (FA_GENERAL ? 64 : 128) : kH <= 192 ? 64 : 32;
 constexpr int kChunks = kH / 8;            // 16-byte chunks per row
 constexpr int kStages = 2;
 constexpr int kQBytes = kBr * kH * 2;
@@ -74,8 +78,11 @@ __device__ __forceinline__ void wg_fence() {
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
+// Waits until at most N of this warpgroup's committed wgmma groups are
+// pending (groups complete in commit order).
+template <int N>
 __device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 // Keeps the compiler from touching accumulators across wgmma issue / wait.
 template <int N>
@@ -88,6 +95,16 @@ template <int N>
 __device__ void wgmma_ss(float* d, unsigned long long a, unsigned long long b, int acc);
 template <int N>
 __device__ void wgmma_rs(float* d, const unsigned (&a)[4], unsigned long long b);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<32>(float* d, unsigned long long a, unsigned long long b, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." FA_WG_T "." FA_WG_T " "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(acc));
+}
 
 template <>
 __device__ __forceinline__ void wgmma_ss<64>(float* d, unsigned long long a, unsigned long long b, int acc) {
@@ -163,12 +180,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   int lo, hi;
   fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
-  // The warpgroup's rows decide which tiles it multiplies (wgmma is issued by
-  // all four warps together); the warp's rows decide the elementwise mask.
-  const int g0 = m0 + wg * 64;
-  int glo, ghi;
-  fa_key_range(p, b, g0, g0 + 64, &glo, &ghi);
-  const int w0 = g0 + (warp & 3) * 16, w1 = w0 + 16;
+  // This warp's 16 rows decide the elementwise mask.
+  const int w0 = m0 + wg * 64 + (warp & 3) * 16, w1 = w0 + 16;
   const int t_begin = lo / kBc;
   const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
 
@@ -191,71 +204,105 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
   const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
 
+  float s[kNs][4];
+  unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
+  float alpha[2];
+  // S = Q K^T for a tile: H / 16 k-steps; a k-step is 32 bytes into a
+  // 128-byte row, every fourth one starts the next panel.
+  auto issue_s = [&](int tile) {
+    const unsigned ks = sk((tile - t_begin) & 1);
+#pragma unroll
+    for (int kk = 0; kk < kH / 16; ++kk) {
+      const unsigned qa = sq + (kk >> 2) * kBr * 128 + wg * 64 * 128 + (kk & 3) * 32;
+      const unsigned ka = ks + (kk >> 2) * kBc * 128 + (kk & 3) * 32;
+      wgmma_ss<kBc>(&s[0][0], desc(qa, 16, 1024), desc(ka, 16, 1024), kk > 0);
+    }
+    wg_commit();
+  };
+  // O += P V for the tile whose P is in pa.
+  auto issue_pv = [&](int tile) {
+    const unsigned vs = sv((tile - t_begin) & 1);
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      // N-major: LBO steps between 64-column panels, SBO between 8-key atoms.
+      wgmma_rs<kH>(&o[0][0], pa[kk], desc(vs + kk * 2048, kBc * 128, 1024));
+    }
+    wg_commit();
+  };
+  // The softmax of S: probabilities in s, the rescale factors in alpha.
+  auto probs = [&](int tile) {
+    const int n0 = tile * kBc;
+    if (!fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc))
+      fa_mask_rows(p, s, w0 + g, n0, q_len, kv_len, t4);
+    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, to_log2);
+  };
+  auto pack = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      pa[kk][0] = fa_pack_in(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = fa_pack_in(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = fa_pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+  // cp.async wrote through the generic proxy; wgmma reads through the async
+  // one. Then every thread's copies are visible to both warpgroups.
+  auto landed = [&]() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+  };
+
   if (t_end > t_begin) {
+    // Software pipeline: while the tensor cores run O += P(j-1) V(j-1), the
+    // softmax of S(j) runs on the CUDA cores. Both warpgroups multiply every
+    // tile of the block (a warpgroup's rows that see none of it get p = 0):
+    // wgmma under a warpgroup-dependent branch would be serialized. K(j+1) is
+    // loaded from the start of step j; V(j+1), into the buffer P(j-1) V(j-1)
+    // reads, once step j is over. cp.async groups, in commit order: {Q, K,
+    // V of the first tile}, an empty one, then K(j+1) and V(j+1) per step, so
+    // step j waits for all but the newest.
     const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) +
-                             ((long long)b * p.T + m0) * ld_q + n * kH,
+                           ((long long)b * p.T + m0) * ld_q + n * kH,
                          (int)ld_q, p.T - m0};
     tile_async<kBr>(sq, qsrc, tid);
     tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
     tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
     fa_cp_async_commit();
+    fa_cp_async_commit();
 
     for (int tile = t_begin; tile < t_end; ++tile) {
-      const int n0 = tile * kBc;
       const int st = (tile - t_begin) & 1;
-      if (tile + 1 < t_end) {
-        tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
-        tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
-      }
-      fa_cp_async_commit();
       fa_cp_async_wait<1>();
-      // cp.async wrote through the generic proxy; wgmma reads through the
-      // async one.
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncthreads();
-
-      if (n0 < ghi && n0 + kBc > glo) {
-        // S = Q K^T: H / 16 k-steps; a k-step is 32 bytes into a 128-byte
-        // row, every fourth one starts the next panel.
-        float s[kNs][4];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < kH / 16; ++kk) {
-          const unsigned qa = sq + (kk >> 2) * kBr * 128 + wg * 64 * 128 + (kk & 3) * 32;
-          const unsigned ka = sk(st) + (kk >> 2) * kBc * 128 + (kk & 3) * 32;
-          wgmma_ss<kBc>(&s[0][0], desc(qa, 16, 1024), desc(ka, 16, 1024), kk > 0);
-        }
-        wg_commit();
-        wg_wait();
-        reg_fence<kNs * 4>(&s[0][0]);
-
-        if (!fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc))
-          fa_mask_rows(p, s, w0 + g, n0, q_len, kv_len, t4);
-        fa_softmax_step(p, s, o, row_m, row_l, b, n, w0 + g, n0, t4, to_log2);
-
-        // O += P V: Bc / 16 k-steps of 16 keys (two 8-row swizzle atoms).
-        unsigned pa[kBc / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk) {
-          pa[kk][0] = fa_pack_in(s[2 * kk][0], s[2 * kk][1]);
-          pa[kk][1] = fa_pack_in(s[2 * kk][2], s[2 * kk][3]);
-          pa[kk][2] = fa_pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pa[kk][3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-        reg_fence<kNo * 4>(&o[0][0]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk) {
-          // N-major: LBO steps between 64-column panels, SBO between 8-key
-          // atoms.
-          wgmma_rs<kH>(&o[0][0], pa[kk], desc(sv(st) + kk * 2048, kBc * 128, 1024));
-        }
-        wg_commit();
-        wg_wait();
-        reg_fence<kNo * 4>(&o[0][0]);
+      landed();
+      if (tile + 1 < t_end) tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
+      fa_cp_async_commit();
+      reg_fence<kNo * 4>(&o[0][0]);
+      wg_fence();
+      issue_s(tile);
+      if (tile > t_begin) {
+        issue_pv(tile - 1);
+        wg_wait<1>();
+      } else {
+        wg_wait<0>();
       }
-      __syncthreads();  // the buffers of this tile are free again
+      reg_fence<kNs * 4>(&s[0][0]);
+      probs(tile);
+      wg_wait<0>();
+      reg_fence<kNo * 4>(&o[0][0]);
+      fa_rescale_rows(o, alpha);
+      pack();
+      __syncthreads();  // V of the previous tile is free again
+      if (tile + 1 < t_end) tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
+      fa_cp_async_commit();
     }
+    // The last tile's P V, once its V has landed.
+    fa_cp_async_wait<0>();
+    landed();
+    reg_fence<kNo * 4>(&o[0][0]);
+    wg_fence();
+    issue_pv(t_end - 1);
+    wg_wait<0>();
+    reg_fence<kNo * 4>(&o[0][0]);
   }
 
   fa_write_rows(p, o, row_m, row_l, b, n, w0 + g, t4, to_log2);
