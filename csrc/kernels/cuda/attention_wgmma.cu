@@ -1,15 +1,21 @@
 // Fused forward attention on Hopper's warpgroup tensor cores: FA_PATH 90
 // (wgmma.mma_async, sm_90a), fp16/bf16, H a multiple of 64.
 //
-// Each block owns Br = 128 query rows of one (batch, head): two warpgroups of
-// 64 rows. Per key tile of Bc keys, each warpgroup computes S = Q K^T with
+// Each block owns Br = 128 query rows of one (batch, head) and is warp
+// specialized, as in FlashAttention-3: a producer warpgroup copies Q, then K
+// and V tile by tile, into a ring of kStages shared-memory stages with
+// cp.async, and two consumer warpgroups of 64 rows compute. mbarriers link
+// them: the producer's copies complete a stage's "full" barrier, each
+// consumer warp arrives on its "empty" one once its wgmma has read it. The
+// producer gives most of its registers to the consumers (setmaxnreg).
+//
+// Per key tile of Bc keys, a consumer warpgroup computes S = Q K^T with
 // wgmma reading Q and K from shared memory, runs the online softmax on the
 // accumulators in float32 (the accumulator layout of m64nN is that of
 // mma.m16n8 per warp: attention_m16n8.cuh), and issues O += P V with P
 // straight from registers and V from shared memory. The products of one tile
 // are issued together with those of the next, so that the softmax of tile j
-// runs while the tensor cores compute P(j-1) V(j-1). K and V tiles are
-// double-buffered with cp.async.
+// runs while the tensor cores compute P(j-1) V(j-1).
 //
 // Shared memory: every tile (Q, K, V) is stored as H / 64 panels of 128-byte
 // rows (64 elements), 16-byte chunks XOR-swizzled by row % 8: the 128-byte
@@ -32,19 +38,21 @@ namespace {
 constexpr int kH = FA_HEAD_DIM;
 static_assert(kH % 64 == 0 && kH >= 64 && kH <= 256, "head dim");
 constexpr int kWG = 2;                     // warpgroups of 64 rows
-constexpr int kThreads = kWG * 128;
+constexpr int kThreads = (kWG + 1) * 128;  // + the producer warpgroup
+constexpr int kLoaders = 128;              // producer threads
+// Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 <= 65536.
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 constexpr int kBr = kWG * 64;
-// Bc: registers hold S (Bc / 2 per thread), the previous tile's P (Bc / 4)
-// and O (H / 2) at once; these are the widest that do not spill.
+// Bc: a consumer thread holds S (Bc / 2 registers), the previous tile's P
+// (Bc / 4) and O (H / 2) at once; these are the widest that do not spill.
 constexpr int kBc = kH <= 128 ? (FA_GENERAL ? 64 : 128) : kH <= 192 ? 64 : 32;
 constexpr int kChunks = kH / 8;            // 16-byte chunks per row
-constexpr int kStages = 2;
+constexpr int kStages = 3;  // fits 227 KB at every H
 constexpr int kQBytes = kBr * kH * 2;
 constexpr int kKVBytes = kBc * kH * 2;
-constexpr int kSmem = kQBytes + kStages * 2 * kKVBytes + 1024;  // + alignment
+constexpr int kSmem = kQBytes + kStages * 2 * kKVBytes + 1024 + 128;  // + alignment, barriers
 constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
-
 
 // Byte offset of 16-byte chunk c of row r in a tile of `rows` rows.
 __device__ __forceinline__ unsigned swz(int rows, int r, int c) {
@@ -59,12 +67,14 @@ __device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo,
          ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// The producer's copy of a tile into its swizzled panels: 16-byte chunks,
+// chunk c of the tile to thread c % 128; rows past rows_valid become zeros.
+// Not unrolled: the producer runs on few registers.
 template <int ROWS>
 __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
                                            int tid) {
-#pragma unroll
-  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
-    const int c = tid + i * kThreads;
+#pragma unroll 1
+  for (int c = tid; c < ROWS * kChunks; c += kLoaders) {
     const int r = c / kChunks, ch = c % kChunks;
     const bool ok = r < s.rows_valid;
     const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
@@ -162,6 +172,32 @@ __device__ __forceinline__ void wgmma_rs<256>(float* d, const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// mbarriers: the producer's cp.async copies complete the "full" ones, the
+// consumer warps' arrivals (one per warp) the "empty" ones.
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrives once all of this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
 
 }  // namespace
 
@@ -180,23 +216,63 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   int lo, hi;
   fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
-  // This warp's 16 rows decide the elementwise mask.
-  const int w0 = m0 + wg * 64 + (warp & 3) * 16, w1 = w0 + 16;
   const int t_begin = lo / kBc;
   const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
-
-  const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
-  auto kv_src = [&](const void* kv, int tile) {
-    const int j0 = tile * kBc;
-    return FaTileSrc{static_cast<const unsigned short*>(kv) +
-                         ((long long)b * p.S + j0) * ld_kv + kvh * kH,
-                     (int)ld_kv, kv_len - j0};
-  };
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
   auto sk = [&](int st) { return sbase + kQBytes + st * 2 * kKVBytes; };
   auto sv = [&](int st) { return sk(st) + kKVBytes; };
+  const unsigned bars = sbase + kQBytes + kStages * 2 * kKVBytes;
+  const unsigned q_full = bars;
+  auto k_full = [&](int st) { return bars + 8 + st * 8; };
+  auto v_full = [&](int st) { return bars + 8 + (kStages + st) * 8; };
+  auto k_empty = [&](int st) { return bars + 8 + (2 * kStages + st) * 8; };
+  auto v_empty = [&](int st) { return bars + 8 + (3 * kStages + st) * 8; };
+  if (tid == 0) {
+    mbar_init(q_full, kLoaders);
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(k_full(st), kLoaders);
+      mbar_init(v_full(st), kLoaders);
+      mbar_init(k_empty(st), kWG * 4);
+      mbar_init(v_empty(st), kWG * 4);
+    }
+  }
+  __syncthreads();
+
+  if (wg == kWG) {
+    // Producer warpgroup: Q, then K and V tile by tile into the stages the
+    // consumers have released. Tile u of the block uses stage u % kStages
+    // for the (u / kStages)-th time; its first use waits for nothing.
+    set_max_regs_dec<kProducerRegs>();
+    const int ltid = tid - kWG * 128;
+    if (t_end > t_begin) {
+      const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
+      tile_async<kBr>(sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
+                                        ((long long)b * p.T + m0) * ld_q + n * kH,
+                                    (int)ld_q, p.T - m0},
+                      ltid);
+      mbar_arrive_cp_async(q_full);
+      for (int tile = t_begin; tile < t_end; ++tile) {
+        const int u = tile - t_begin, st = u % kStages, ph = (u / kStages) & 1;
+        const int j0 = tile * kBc;
+        const long long off = ((long long)b * p.S + j0) * ld_kv + kvh * kH;
+        mbar_wait(k_empty(st), ph ^ 1);
+        tile_async<kBc>(sk(st), FaTileSrc{static_cast<const unsigned short*>(p.k) + off,
+                                          (int)ld_kv, kv_len - j0}, ltid);
+        mbar_arrive_cp_async(k_full(st));
+        mbar_wait(v_empty(st), ph ^ 1);
+        tile_async<kBc>(sv(st), FaTileSrc{static_cast<const unsigned short*>(p.v) + off,
+                                          (int)ld_kv, kv_len - j0}, ltid);
+        mbar_arrive_cp_async(v_full(st));
+      }
+    }
+    return;
+  }
+
+  set_max_regs_inc<kConsumerRegs>();
+  // This warp's 16 rows decide the elementwise mask.
+  const int w0 = m0 + wg * 64 + (warp & 3) * 16, w1 = w0 + 16;
 
   float o[kNo][4];
 #pragma unroll
@@ -207,25 +283,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
   float alpha[2];
+  // Waits for a full stage; cp.async wrote it through the generic proxy,
+  // wgmma reads through the async one.
+  auto acquire = [&](unsigned bar, int parity) {
+    mbar_wait(bar, parity);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  };
+  auto release = [&](unsigned bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
   // S = Q K^T for a tile: H / 16 k-steps; a k-step is 32 bytes into a
   // 128-byte row, every fourth one starts the next panel.
-  auto issue_s = [&](int tile) {
-    const unsigned ks = sk((tile - t_begin) & 1);
+  auto issue_s = [&](int st) {
 #pragma unroll
     for (int kk = 0; kk < kH / 16; ++kk) {
+      const unsigned ka = sk(st) + (kk >> 2) * kBc * 128 + (kk & 3) * 32;
       const unsigned qa = sq + (kk >> 2) * kBr * 128 + wg * 64 * 128 + (kk & 3) * 32;
-      const unsigned ka = ks + (kk >> 2) * kBc * 128 + (kk & 3) * 32;
       wgmma_ss<kBc>(&s[0][0], desc(qa, 16, 1024), desc(ka, 16, 1024), kk > 0);
     }
     wg_commit();
   };
   // O += P V for the tile whose P is in pa.
-  auto issue_pv = [&](int tile) {
-    const unsigned vs = sv((tile - t_begin) & 1);
+  auto issue_pv = [&](int st) {
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) {
       // N-major: LBO steps between 64-column panels, SBO between 8-key atoms.
-      wgmma_rs<kH>(&o[0][0], pa[kk], desc(vs + kk * 2048, kBc * 128, 1024));
+      wgmma_rs<kH>(&o[0][0], pa[kk], desc(sv(st) + kk * 2048, kBc * 128, 1024));
     }
     wg_commit();
   };
@@ -245,62 +329,36 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       pa[kk][3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
   };
-  // cp.async wrote through the generic proxy; wgmma reads through the async
-  // one. Then every thread's copies are visible to both warpgroups.
-  auto landed = [&]() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-  };
 
   if (t_end > t_begin) {
     // Software pipeline: while the tensor cores run O += P(j-1) V(j-1), the
-    // softmax of S(j) runs on the CUDA cores. Both warpgroups multiply every
-    // tile of the block (a warpgroup's rows that see none of it get p = 0):
-    // wgmma under a warpgroup-dependent branch would be serialized. K(j+1) is
-    // loaded from the start of step j; V(j+1), into the buffer P(j-1) V(j-1)
-    // reads, once step j is over. cp.async groups, in commit order: {Q, K,
-    // V of the first tile}, an empty one, then K(j+1) and V(j+1) per step, so
-    // step j waits for all but the newest.
-    const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) +
-                           ((long long)b * p.T + m0) * ld_q + n * kH,
-                         (int)ld_q, p.T - m0};
-    tile_async<kBr>(sq, qsrc, tid);
-    tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
-    tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
-    fa_cp_async_commit();
-    fa_cp_async_commit();
-
+    // softmax of S(j) runs on the CUDA cores.
+    acquire(q_full, 0);
     for (int tile = t_begin; tile < t_end; ++tile) {
-      const int st = (tile - t_begin) & 1;
-      fa_cp_async_wait<1>();
-      landed();
-      if (tile + 1 < t_end) tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
-      fa_cp_async_commit();
+      const int u = tile - t_begin, st = u % kStages, ph = (u / kStages) & 1;
+      const int pst = (u + kStages - 1) % kStages, pph = ((u - 1) / kStages) & 1;
+      acquire(k_full(st), ph);
+      if (u > 0) acquire(v_full(pst), pph);
       reg_fence<kNo * 4>(&o[0][0]);
       wg_fence();
-      issue_s(tile);
-      if (tile > t_begin) {
-        issue_pv(tile - 1);
-        wg_wait<1>();
-      } else {
-        wg_wait<0>();
-      }
+      issue_s(st);
+      if (u > 0) issue_pv(pst);
+      if (u > 0) wg_wait<1>(); else wg_wait<0>();
       reg_fence<kNs * 4>(&s[0][0]);
+      release(k_empty(st));
       probs(tile);
       wg_wait<0>();
       reg_fence<kNo * 4>(&o[0][0]);
+      if (u > 0) release(v_empty(pst));
       fa_rescale_rows(o, alpha);
       pack();
-      __syncthreads();  // V of the previous tile is free again
-      if (tile + 1 < t_end) tile_async<kBc>(sv(st ^ 1), kv_src(p.v, tile + 1), tid);
-      fa_cp_async_commit();
     }
-    // The last tile's P V, once its V has landed.
-    fa_cp_async_wait<0>();
-    landed();
+    // The last tile's P V.
+    const int u = t_end - 1 - t_begin;
+    acquire(v_full(u % kStages), (u / kStages) & 1);
     reg_fence<kNo * 4>(&o[0][0]);
     wg_fence();
-    issue_pv(t_end - 1);
+    issue_pv(u % kStages);
     wg_wait<0>();
     reg_fence<kNo * 4>(&o[0][0]);
   }
