@@ -119,6 +119,17 @@ __device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kN
   fa_rescale_rows(o, alpha);
 }
 
+// The mma.m16n8k16 A fragment (wgmma's register A has the same layout per
+// warp) of P for keys 16 kk .. 16 kk + 15: accumulator n8 blocks 2 kk and
+// 2 kk + 1, rounded to FA_DTYPE.
+template <int kNs>
+__device__ __forceinline__ void fa_pack_a(const float (&s)[kNs][4], int kk, unsigned (&a)[4]) {
+  a[0] = fa_pack_in(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = fa_pack_in(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = fa_pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // Normalizes rows row0 and row0 + 8 (those < T) and writes them to out
 // (FA_OUT_DTYPE) and their natural-log LSE to lse. Rows with no visible key
 // have l == 0 exactly: they get 0 and -inf.

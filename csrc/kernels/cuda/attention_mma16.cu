@@ -330,12 +330,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kk = 0; kk < kBc / 16; ++kk) {
           unsigned pa[kMt][4];
 #pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-            pa[mt][0] = fa_pack_in(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            pa[mt][1] = fa_pack_in(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            pa[mt][2] = fa_pack_in(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            pa[mt][3] = fa_pack_in(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-          }
+          for (int mt = 0; mt < kMt; ++mt) fa_pack_a(s[mt], kk, pa[mt]);
 #pragma unroll
           for (int np = 0; np < kNo / 2; ++np) {
             unsigned bv[4];

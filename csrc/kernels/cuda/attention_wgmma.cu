@@ -322,12 +322,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   };
   auto pack = [&]() {
 #pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      pa[kk][0] = fa_pack_in(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = fa_pack_in(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = fa_pack_in(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < kBc / 16; ++kk) fa_pack_a(s, kk, pa[kk]);
   };
 
   if (t_end > t_begin) {
