@@ -41,6 +41,7 @@ const Driver* GetDriver(std::string* error) {
               Load(lib, "cuMemcpyDtoH_v2", &d.cuMemcpyDtoH) &&
               Load(lib, "cuFuncSetAttribute", &d.cuFuncSetAttribute) &&
               Load(lib, "cuLaunchKernel", &d.cuLaunchKernel);
+    Load(lib, "cuTensorMapEncodeTiled", &d.cuTensorMapEncodeTiled);
     if (!ok) {
       load_error = "libcuda.so.1 lacks a driver API call fastattn_jax needs: update the driver";
       return;

@@ -38,7 +38,21 @@ struct Driver {
   CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
                              unsigned, unsigned, unsigned, CUstream, void**, void**);
+  // CUDA 12 drivers and newer; null on older ones (path 90 then refuses).
+  // The arguments: map, data type, rank, address, dims, byte strides of
+  // dims 1.., box dims, element strides, interleave, swizzle, L2 promotion,
+  // out-of-bounds fill.
+  CUresult (*cuTensorMapEncodeTiled)(void*, int, unsigned, void*, const unsigned long long*,
+                                     const unsigned long long*, const unsigned*,
+                                     const unsigned*, int, int, int, int);
 };
+
+// Enum values of cuTensorMapEncodeTiled's arguments (cuda.h).
+constexpr int kTensorMapUint16 = 1;
+constexpr int kTensorMapInterleaveNone = 0;
+constexpr int kTensorMapSwizzle128B = 3;
+constexpr int kTensorMapL2Promotion256B = 3;
+constexpr int kTensorMapOobFillZeros = 0;
 
 // The loaded driver, or nullptr with *error set (no libcuda, or cuInit failed).
 const Driver* GetDriver(std::string* error);

@@ -284,15 +284,16 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     }
     CUdeviceptr config;
     size_t bytes = 0;
-    int launch[3];
+    int launch[4];
     if (auto rc = d.cuModuleGetGlobal(&config, &bytes, module, "fa_launch")) {
       return DriverError(d, rc, "cuModuleGetGlobal(fa_launch)");
     }
-    if (bytes != sizeof(launch)) return "fa_launch must be int[3]";
+    if (bytes != sizeof(launch)) return "fa_launch must be int[4]";
     if (auto rc = d.cuMemcpyDtoH(launch, config, sizeof(launch))) {
       return DriverError(d, rc, "cuMemcpyDtoH(fa_launch)");
     }
     kernel->block_m = launch[0], kernel->threads = launch[1], kernel->smem_bytes = launch[2];
+    kernel->block_n = launch[3];
     if (kernel->smem_bytes > smem_optin) {
       return v.Describe() + " needs " + std::to_string(kernel->smem_bytes) +
              " bytes of shared memory per block; " + arch + " allows " +

@@ -45,9 +45,10 @@ bool GetCompiledKernel(const KernelVariant& variant, const std::string& arch,
 // A kernel loaded into a CUDA context, with its launch configuration.
 struct LoadedKernel {
   CUfunction function = nullptr;
-  int block_m = 0;
+  int block_m = 0;     // Br: query rows per block
   int threads = 0;
   int smem_bytes = 0;
+  int block_n = 0;     // Bc: keys per tile
 };
 
 // Finds, or builds and loads, `variant` for the device of `context`.

@@ -118,6 +118,39 @@ ffi::Error FindKernel(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   return *kernel ? ffi::Error::Success() : ffi::Error::Internal(error);
 }
 
+// The TMA descriptors FA_PATH 90 reads q, k and v through (FaTmaMaps).
+// With S == 0 no key tile is read and k, v keep empty descriptors.
+ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const cu::LoadedKernel& kn,
+                         FaTmaMaps* maps) {
+  if (!d.cuTensorMapEncodeTiled) {
+    return ffi::Error::Internal(
+        "the CUDA driver lacks cuTensorMapEncodeTiled, which the sm90 kernel needs: "
+        "update the driver (CUDA 12 or newer)");
+  }
+  auto encode = [&](FaTensorMap* map, const void* data, int heads, int len, int rows,
+                    const char* name) {
+    using u64 = unsigned long long;
+    const u64 row_bytes = u64(p.H) * 2;
+    const u64 dims[4] = {u64(p.H), u64(heads), u64(len), u64(p.B)};
+    const u64 strides[3] = {row_bytes, row_bytes * heads, row_bytes * heads * len};
+    const unsigned box[4] = {64, 1, unsigned(rows), 1};
+    const unsigned element_strides[4] = {1, 1, 1, 1};
+    const cu::CUresult rc = d.cuTensorMapEncodeTiled(
+        map, cu::kTensorMapUint16, 4, const_cast<void*>(data), dims, strides, box,
+        element_strides, cu::kTensorMapInterleaveNone, cu::kTensorMapSwizzle128B,
+        cu::kTensorMapL2Promotion256B, cu::kTensorMapOobFillZeros);
+    return cu::DriverError(d, rc, name);
+  };
+  std::string error = encode(&maps->q, p.q, p.N, p.T, kn.block_m, "cuTensorMapEncodeTiled(query)");
+  if (error.empty() && p.S > 0) {
+    error = encode(&maps->k, p.k, p.K, p.S, kn.block_n, "cuTensorMapEncodeTiled(key)");
+  }
+  if (error.empty() && p.S > 0) {
+    error = encode(&maps->v, p.v, p.K, p.S, kn.block_n, "cuTensorMapEncodeTiled(value)");
+  }
+  return error.empty() ? ffi::Error::Success() : ffi::Error::Internal(error);
+}
+
 ffi::Error InitializeImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
                           ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
@@ -151,7 +184,11 @@ ffi::Error ExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                        ") * N * B = " + std::to_string(blocks) +
                                        " thread blocks exceed the grid limit");
   }
-  void* args[] = {&p};
+  FaTmaMaps maps{};
+  if (attrs.kernel_path == 90) {
+    if (auto err = EncodeTmaMaps(*driver, p, kn, &maps); err.failure()) return err;
+  }
+  void* args[] = {&p, &maps};  // path 90 takes both, the others p only
   if (auto rc = driver->cuLaunchKernel(kn.function, static_cast<unsigned>(blocks), 1, 1,
                                        kn.threads, 1, 1, kn.smem_bytes, stream, args, nullptr)) {
     return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuLaunchKernel(fa_forward)"));

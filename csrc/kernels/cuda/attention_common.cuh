@@ -21,7 +21,9 @@
 //
 // Each kernel source defines
 //   extern "C" __global__ void fa_forward(const FaParams p);
-//   extern "C" __constant__ int fa_launch[3];  // {block_m, threads, smem bytes}
+//     (FA_PATH 90: fa_forward(const FaParams p, const FaTmaMaps maps))
+//   extern "C" __constant__ int fa_launch[4];
+//     // {block_m (Br), threads, smem bytes, block_n (Bc)}
 // and is launched with grid.x = ceil(T / block_m) * N * B, block.x = threads
 // and fa_launch[2] bytes of dynamic shared memory.
 #pragma once
@@ -51,6 +53,19 @@ struct FaParams {
   int causal;                 // key j visible to row i only if j <= i
   int window_left;            // >= 0: key j visible only if j >= i - left
   int window_right;           // >= 0: key j visible only if j <= i + right
+};
+
+// A TMA descriptor (the driver's CUtensorMap, filled by
+// cuTensorMapEncodeTiled on the host).
+struct alignas(128) FaTensorMap {
+  unsigned long long opaque[16];
+};
+
+// FA_PATH 90's TMA descriptors: q as (H, N, T, B) and k, v as (H, K, S, B),
+// innermost first, 16-bit elements; boxes of {64, 1, rows, 1} (rows = Br for
+// q, Bc for k and v) with the 128-byte swizzle; reads past T or S give zeros.
+struct FaTmaMaps {
+  FaTensorMap q, k, v;
 };
 
 #ifdef __CUDACC_RTC__

@@ -163,7 +163,7 @@ struct TileRegs {
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmem};
+extern "C" __constant__ int fa_launch[4] = {kBr, kThreads, kSmem, kBc};
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fa_forward(const FaParams p) {

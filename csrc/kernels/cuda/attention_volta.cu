@@ -197,7 +197,7 @@ __device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmemBytes};
+extern "C" __constant__ int fa_launch[4] = {kBr, kThreads, kSmemBytes, kBc};
 
 extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams p) {
   extern __shared__ uint4 smem[];

@@ -2,12 +2,17 @@
 // (wgmma.mma_async, sm_90a), fp16/bf16, H a multiple of 64.
 //
 // Each block owns Br = 128 query rows of one (batch, head) and is warp
-// specialized, as in FlashAttention-3: a producer warpgroup copies Q, then K
-// and V tile by tile, into a ring of kStages shared-memory stages with
-// cp.async, and two consumer warpgroups of 64 rows compute. mbarriers link
-// them: the producer's copies complete a stage's "full" barrier, each
-// consumer warp arrives on its "empty" one once its wgmma has read it. The
-// producer gives most of its registers to the consumers (setmaxnreg).
+// specialized, as in FlashAttention-3: a producer warpgroup loads Q, then K
+// and V tile by tile, into a ring of kStages shared-memory stages with the
+// tensor memory accelerator (TMA, cp.async.bulk.tensor), and two consumer
+// warpgroups of 64 rows compute. mbarriers link them: the producer's loads
+// complete a stage's "full" barrier, each consumer warp arrives on its
+// "empty" one once its wgmma has read it. The producer gives most of its
+// registers to the consumers (setmaxnreg).
+//
+// TMA zero-fills rows past T and S, but keys in [kv_len, S) hold whatever the
+// caller left there (NaN included), and P V must see zeros for them: the one
+// tile that crosses kv_len is copied with cp.async, which zero-fills by row.
 //
 // Per key tile of Bc keys, a consumer warpgroup computes S = Q K^T with
 // wgmma reading Q and K from shared memory, runs the online softmax on the
@@ -19,7 +24,7 @@
 //
 // Shared memory: every tile (Q, K, V) is stored as H / 64 panels of 128-byte
 // rows (64 elements), 16-byte chunks XOR-swizzled by row % 8: the 128-byte
-// swizzle wgmma reads. Q and K are K-major operands; V, the B operand of
+// swizzle that TMA writes and wgmma reads; a panel is one TMA box. Q and K are K-major operands; V, the B operand of
 // P V, is N-major (H contiguous) and read with the transpose flag.
 #include "attention_m16n8.cuh"
 
@@ -67,9 +72,10 @@ __device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo,
          ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 
-// The producer's copy of a tile into its swizzled panels: 16-byte chunks,
-// chunk c of the tile to thread c % 128; rows past rows_valid become zeros.
-// Not unrolled: the producer runs on few registers.
+// The producer's cp.async copy of a tile into its swizzled panels (the tile
+// that crosses kv_len): 16-byte chunks, chunk c of the tile to thread
+// c % 128; rows past rows_valid become zeros. Not unrolled: the producer runs
+// on few registers.
 template <int ROWS>
 __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
                                            int tid) {
@@ -80,6 +86,27 @@ __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
     const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
     fa_cp_async16(dst + swz(ROWS, r, ch), src, ok);
   }
+}
+
+// TMA load of the box at coordinates (c0, c1, c2, c3) of `map` (innermost
+// first) into dst; its bytes complete the transaction count of `bar`.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const FaTensorMap& map, int c0, int c1,
+                                            int c2, int c3, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(bar)
+      : "memory");
+}
+
+// TMA load of ROWS rows from `row` of head `head`, batch b: one box per
+// 64-column panel.
+template <int ROWS>
+__device__ __forceinline__ void tile_tma(unsigned dst, const FaTensorMap& map, int head, int row,
+                                         int b, unsigned bar) {
+#pragma unroll
+  for (int c = 0; c < kH / 64; ++c) tma_load_4d(dst + c * ROWS * 128, map, c * 64, head, row, b, bar);
 }
 
 __device__ __forceinline__ void wg_fence() {
@@ -172,13 +199,18 @@ __device__ __forceinline__ void wgmma_rs<256>(float* d, const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// mbarriers: the producer's cp.async copies complete the "full" ones, the
-// consumer warps' arrivals (one per warp) the "empty" ones.
+// mbarriers: the producer's loads complete the "full" ones, the consumer
+// warps' arrivals (one per warp) the "empty" ones.
 __device__ __forceinline__ void mbar_init(unsigned bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrives and announces `bytes` that TMA loads will deliver to this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 // Arrives once all of this thread's earlier cp.async copies have landed.
 __device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
@@ -201,10 +233,10 @@ __device__ __forceinline__ void set_max_regs_inc() {
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[3] = {kBr, kThreads, kSmem};
+extern "C" __constant__ int fa_launch[4] = {kBr, kThreads, kSmem, kBc};
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    fa_forward(const FaParams p) {
+    fa_forward(const FaParams p, const __grid_constant__ FaTmaMaps maps) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2;
@@ -230,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   auto k_empty = [&](int st) { return bars + 8 + (2 * kStages + st) * 8; };
   auto v_empty = [&](int st) { return bars + 8 + (3 * kStages + st) * 8; };
   if (tid == 0) {
-    mbar_init(q_full, kLoaders);
+    mbar_init(q_full, 1);
     for (int st = 0; st < kStages; ++st) {
       mbar_init(k_full(st), kLoaders);
       mbar_init(v_full(st), kLoaders);
@@ -246,25 +278,39 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // for the (u / kStages)-th time; its first use waits for nothing.
     set_max_regs_dec<kProducerRegs>();
     const int ltid = tid - kWG * 128;
+    const bool lead = ltid == 0;  // issues the TMA loads
+    // A K or V tile into a stage: TMA when all its keys are below kv_len;
+    // else cp.async by every producer thread. The full barrier counts one
+    // arrival per producer thread either way.
+    auto load_kv = [&](unsigned dst, const FaTensorMap& map, const void* src, int j0,
+                       unsigned full) {
+      if (j0 + kBc <= kv_len) {
+        if (lead) {
+          mbar_arrive_expect_tx(full, kKVBytes);
+          tile_tma<kBc>(dst, map, kvh, j0, b, full);
+        } else {
+          mbar_arrive(full);
+        }
+      } else {
+        const long long ld = (long long)p.K * kH;
+        tile_async<kBc>(dst, FaTileSrc{static_cast<const unsigned short*>(src) +
+                                           ((long long)b * p.S + j0) * ld + kvh * kH,
+                                       (int)ld, kv_len - j0},
+                        ltid);
+        mbar_arrive_cp_async(full);
+      }
+    };
     if (t_end > t_begin) {
-      const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
-      tile_async<kBr>(sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
-                                        ((long long)b * p.T + m0) * ld_q + n * kH,
-                                    (int)ld_q, p.T - m0},
-                      ltid);
-      mbar_arrive_cp_async(q_full);
+      if (lead) {
+        mbar_arrive_expect_tx(q_full, kQBytes);
+        tile_tma<kBr>(sq, maps.q, n, m0, b, q_full);
+      }
       for (int tile = t_begin; tile < t_end; ++tile) {
         const int u = tile - t_begin, st = u % kStages, ph = (u / kStages) & 1;
-        const int j0 = tile * kBc;
-        const long long off = ((long long)b * p.S + j0) * ld_kv + kvh * kH;
         mbar_wait(k_empty(st), ph ^ 1);
-        tile_async<kBc>(sk(st), FaTileSrc{static_cast<const unsigned short*>(p.k) + off,
-                                          (int)ld_kv, kv_len - j0}, ltid);
-        mbar_arrive_cp_async(k_full(st));
+        load_kv(sk(st), maps.k, p.k, tile * kBc, k_full(st));
         mbar_wait(v_empty(st), ph ^ 1);
-        tile_async<kBc>(sv(st), FaTileSrc{static_cast<const unsigned short*>(p.v) + off,
-                                          (int)ld_kv, kv_len - j0}, ltid);
-        mbar_arrive_cp_async(v_full(st));
+        load_kv(sv(st), maps.v, p.v, tile * kBc, v_full(st));
       }
     }
     return;
@@ -283,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
   float alpha[2];
-  // Waits for a full stage; cp.async wrote it through the generic proxy,
+  // Waits for a full stage; a cp.async tile came through the generic proxy,
   // wgmma reads through the async one.
   auto acquire = [&](unsigned bar, int parity) {
     mbar_wait(bar, parity);
