@@ -265,11 +265,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
 #else
       const int st = 0;
-      // Path 75 has no cp.async: with one m-tile per warp, the next tile's
-      // loads are issued before this tile's math and land in shared memory
-      // after it (registers allowing); otherwise K is loaded between the two
-      // products and V after them.
+      // Path 75 has no cp.async: the next tile's K and V come through
+      // registers and land in shared memory once every warp is done with the
+      // current ones. Their loads go as early as registers allow, so that
+      // math hides their latency: with one m-tile per warp, both before this
+      // tile's math; with two, K's between the products and V's before P V
+      // in plain variants up to H=64 (+15% on an H100), after it otherwise
+      // (it would spill).
       constexpr bool kPrefetch = kMt == 1 && kH <= 192;
+      constexpr bool kEarlyV = kPrefetch || (kH <= 64 && !FA_GENERAL);
       TileRegs<kBc> nk;
       if (kPrefetch && has_next) nk.load(kv_src(p.k, tile + 1), tid);
 #endif
@@ -320,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (has_next) {
         if (!kPrefetch) nk.load(kv_src(p.k, tile + 1), tid);
         nk.store(smem + (sk(0) - sbase), tid);
-        if (kPrefetch) nv.load(kv_src(p.v, tile + 1), tid);
+        if (kEarlyV) nv.load(kv_src(p.v, tile + 1), tid);
       }
 #endif
 
@@ -347,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #if FA_PATH == 75
       // Visible to the P V of the next tile after its first barrier.
       if (has_next) {
-        if (!kPrefetch) nv.load(kv_src(p.v, tile + 1), tid);
+        if (!kEarlyV) nv.load(kv_src(p.v, tile + 1), tid);
         nv.store(smem + (sv(0) - sbase), tid);
       }
 #endif
