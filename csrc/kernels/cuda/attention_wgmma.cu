@@ -24,8 +24,9 @@
 //
 // Shared memory: every tile (Q, K, V) is stored as H / 64 panels of 128-byte
 // rows (64 elements), 16-byte chunks XOR-swizzled by row % 8: the 128-byte
-// swizzle that TMA writes and wgmma reads; a panel is one TMA box. Q and K are K-major operands; V, the B operand of
-// P V, is N-major (H contiguous) and read with the transpose flag.
+// swizzle that TMA writes and wgmma reads; a panel is one TMA box. Q and K
+// are K-major operands; V, the B operand of P V, is N-major (H contiguous)
+// and read with the transpose flag.
 #include "attention_m16n8.cuh"
 
 #if FA_PATH != 90
@@ -106,7 +107,9 @@ template <int ROWS>
 __device__ __forceinline__ void tile_tma(unsigned dst, const FaTensorMap& map, int head, int row,
                                          int b, unsigned bar) {
 #pragma unroll
-  for (int c = 0; c < kH / 64; ++c) tma_load_4d(dst + c * ROWS * 128, map, c * 64, head, row, b, bar);
+  for (int c = 0; c < kH / 64; ++c) {
+    tma_load_4d(dst + c * ROWS * 128, map, c * 64, head, row, b, bar);
+  }
 }
 
 __device__ __forceinline__ void wg_fence() {
