@@ -144,9 +144,9 @@ ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const cu::Loade
   std::string error = encode(&maps->q, p.q, p.N, p.T, kn.block_m, "cuTensorMapEncodeTiled(query)");
   if (error.empty() && p.S > 0) {
     error = encode(&maps->k, p.k, p.K, p.S, kn.block_n, "cuTensorMapEncodeTiled(key)");
-  }
-  if (error.empty() && p.S > 0) {
-    error = encode(&maps->v, p.v, p.K, p.S, kn.block_n, "cuTensorMapEncodeTiled(value)");
+    if (error.empty()) {
+      error = encode(&maps->v, p.v, p.K, p.S, kn.block_n, "cuTensorMapEncodeTiled(value)");
+    }
   }
   return error.empty() ? ffi::Error::Success() : ffi::Error::Internal(error);
 }

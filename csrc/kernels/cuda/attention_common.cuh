@@ -102,6 +102,12 @@ __device__ __forceinline__ void fa_key_range(const FaParams& p, int b, int m0,
   *hi = h;
 }
 
+// The key tiles of Bc keys, [*t_begin, *t_end), that cover fa_key_range.
+__device__ __forceinline__ void fa_key_tiles(int lo, int hi, int bc, int* t_begin, int* t_end) {
+  *t_begin = lo / bc;
+  *t_end = hi > lo ? (hi + bc - 1) / bc : *t_begin;
+}
+
 // True when every (row, key) of [m0, m1) x [n0, n1) passes the index rules,
 // so the tile needs no elementwise masking (the mask, if any, still applies).
 __device__ __forceinline__ bool fa_tile_all_visible(const FaParams& p, int b,

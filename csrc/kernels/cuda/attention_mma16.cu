@@ -182,8 +182,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int w0 = m0 + warp * 16 * kMt, w1 = w0 + 16 * kMt;
   int wlo, whi;
   fa_key_range(p, b, w0, w1, &wlo, &whi);
-  const int t_begin = lo / kBc;
-  const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
+  int t_begin, t_end;
+  fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
 
   const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
   // K / V tile sources, their bases recomputed from the parameters each time

@@ -251,8 +251,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   int lo, hi;
   fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
-  const int t_begin = lo / kBc;
-  const int t_end = hi > lo ? (hi + kBc - 1) / kBc : t_begin;
+  int t_begin, t_end;
+  fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
