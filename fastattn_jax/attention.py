@@ -101,8 +101,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   dims = shapes.check_qkv(q, k, v)
   bias = _broadcast_operand("bias", bias, dims)
   mask = _broadcast_operand("mask", mask, dims)
-  q_lens = _seq_lengths("query_seq_lengths", query_seq_lengths, dims)
-  kv_lens = _seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims)
+  q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims)
+  kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims)
   config = AttentionConfig(
       scale=(1.0 / np.sqrt(dims.H) if scale is None
              else shapes.static_float("scale", scale)),
@@ -113,7 +113,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
                                    positive=True)),
       has_bias=bias is not None, has_mask=mask is not None,
       has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
-      implementation=_choose_path(implementation, q.dtype))
+      implementation=choose_path(implementation, q.dtype))
 
   if config.implementation == "cudnn":
     if config.softcap is not None:
@@ -123,14 +123,19 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
         local_window_size=config.window, implementation="cudnn",
         return_residual=return_residual)
-  if config.implementation == "xla":
-    out, lse = attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
-  else:
-    if bias is not None and bias.dtype == jnp.float64 and q.dtype != jnp.float64:
-      bias = bias.astype(jnp.float32)
-    out, lse = _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
+  out, lse = run_config(config, q, k, v, bias, mask, q_lens, kv_lens)
   out = out.reshape(out_shape)
   return (out, lse.reshape(out_shape[:-1])) if return_residual else out
+
+
+def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=None,
+               kv_lens=None):
+  """Attention on checked 4-D operands by ``config`` (any path but "cudnn"); (out, lse)."""
+  if config.implementation == "xla":
+    return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
+  if bias is not None and bias.dtype == jnp.float64 and q.dtype != jnp.float64:
+    bias = bias.astype(jnp.float32)
+  return _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
 
 
 def _broadcast_operand(name, x, dims):
@@ -143,7 +148,7 @@ def _broadcast_operand(name, x, dims):
   return x
 
 
-def _seq_lengths(name, lengths, dims):
+def seq_lengths(name, lengths, dims):
   if lengths is None:
     return None
   lengths = jnp.asarray(lengths)
@@ -154,7 +159,7 @@ def _seq_lengths(name, lengths, dims):
   return lengths
 
 
-def _choose_path(implementation, dtype) -> str:
+def choose_path(implementation, dtype) -> str:
   """Checks ``implementation``; returns it, or "auto" for None.
 
   Whether a fused path fits the platform is checked when the computation is

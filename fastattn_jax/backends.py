@@ -148,6 +148,49 @@ def log_path_once(path: str, platform: str) -> None:
     logger.info("fast_attention: using the %r path on %s", path, platform)
 
 
+#: Split-KV on the CUDA paths: each split covers at least this many keys.
+MIN_SPLIT_KEYS = 512
+#: At most this many splits.
+MAX_KV_SPLITS = 64
+#: Rows of the largest CUDA kernel tile (Br), for counting thread blocks.
+_CUDA_BLOCK_ROWS = 128
+
+
+def _multiprocessor_count() -> int:
+  return int(getattr(jax.devices("cuda")[0], "core_count", 0) or 0) or 108
+
+
+def kv_splits(B: int, T: int, N: int, S: int, multiprocessors: int) -> int:
+  """Split-KV factor of a CUDA call (flash-decoding).
+
+  With fewer row blocks, ceil(T / 128) * N * B, than the GPU has
+  multiprocessors, each row block's keys are split so that about two blocks
+  run per multiprocessor, each over at least ``MIN_SPLIT_KEYS`` keys; 1 (no
+  split) otherwise.
+  """
+  row_blocks = -(-T // _CUDA_BLOCK_ROWS) * N * B
+  if row_blocks == 0 or row_blocks >= multiprocessors:
+    return 1
+  wanted = -(-2 * multiprocessors // row_blocks)
+  return max(1, min(wanted, S // MIN_SPLIT_KEYS, MAX_KV_SPLITS))
+
+
+def combine_splits(out, lse):
+  """Merges split-KV partials: out (splits, B, T, N, H), lse (splits, B, T, N).
+
+  Each split's out is normalized over its own keys; the merge weighs split s
+  by exp(lse_s - lse), lse = logsumexp over the splits. Rows no split saw
+  stay 0 with lse -inf.
+  """
+  m = jnp.max(lse, axis=0)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  w = jnp.exp(lse - m_safe)
+  l = jnp.sum(w, axis=0)
+  l_safe = jnp.where(l == 0, 1.0, l)
+  merged = jnp.einsum("sbtn,sbtnh->btnh", w, out) / l_safe[..., None]
+  return merged, jnp.where(l == 0, -jnp.inf, m_safe + jnp.log(l_safe))
+
+
 def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
                mask=None, q_lens=None, kv_lens=None):
   """Runs the fused kernel of ``path`` on 4-D operands; returns (out, lse).
@@ -156,20 +199,28 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
   as "none"; all options travel as one attribute dictionary that the handler
   decodes into a struct. The CUDA kernels take 16-bit q, k, v with H a
   multiple of 32 (64 on path 90) and a float32 bias: converted and zero-padded here (zero
-  columns change neither q . k nor, once sliced off, the output).
+  columns change neither q . k nor, once sliced off, the output). When few
+  row blocks would leave the GPU idle, the CUDA kernels split the keys
+  (``kv_splits``) and write float32 partials, merged here.
   """
   B, T, N, H = q.shape
   empty = lambda dtype: jnp.zeros((0,), dtype)
   out_dtype = q.dtype
   kernel_path = cuda_kernels.PATHS.get(path, 0)
+  splits = 1
   if kernel_path:
     op_dtype = cuda_kernels.operand_dtype(kernel_path, jnp.dtype(q.dtype).name)
     pad = [(0, 0)] * 3 + [(0, cuda_kernels.kernel_head_dim(H, kernel_path) - H)]
     q, k, v = (jnp.pad(x.astype(op_dtype), pad) for x in (q, k, v))
     if bias is not None:
       bias = bias.astype(jnp.float32)
-  result_types = (jax.ShapeDtypeStruct(q.shape, out_dtype),
-                  jax.ShapeDtypeStruct((B, T, N), jnp.float32))
+    splits = kv_splits(B, T, N, k.shape[1], _multiprocessor_count())
+  if splits > 1:
+    result_types = (jax.ShapeDtypeStruct((splits * B, *q.shape[1:]), jnp.float32),
+                    jax.ShapeDtypeStruct((splits * B, T, N), jnp.float32))
+  else:
+    result_types = (jax.ShapeDtypeStruct(q.shape, out_dtype),
+                    jax.ShapeDtypeStruct((B, T, N), jnp.float32))
   left, right = config.window if config.window is not None else (-1, -1)
   call = jax.ffi.ffi_call(FUSED_PATHS[path][1], result_types)
   out, lse = call(
@@ -181,8 +232,12 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
       scale=np.float32(config.scale),
       softcap=np.float32(config.softcap or 0.0),
       is_causal=np.int64(config.is_causal),
+      end_aligned=np.int64(config.end_aligned),
       window_left=np.int64(left),
       window_right=np.int64(right),
       kernel_path=np.int64(kernel_path),
   )
+  if splits > 1:
+    out, lse = combine_splits(out.reshape(splits, *q.shape), lse.reshape(splits, B, T, N))
+    out = out.astype(out_dtype)
   return out[..., :H], lse

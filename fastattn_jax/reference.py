@@ -25,13 +25,18 @@ def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens):
   def both(a, b):
     return b if a is None else a & b
 
+  pos = i
+  if config.end_aligned and (config.is_causal or config.window is not None):
+    q_len = jnp.full((1,), T) if q_lens is None else jnp.clip(q_lens, 0, T)
+    kv_len = jnp.full((1,), S) if kv_lens is None else jnp.clip(kv_lens, 0, S)
+    pos = i[None] + (kv_len - q_len)[:, None, None]  # (B|1, T, 1)
   if config.is_causal:
-    visible = both(visible, j <= i)
+    visible = both(visible, j <= pos)
   if config.window is not None:
     left, right = config.window
-    visible = both(visible, (j >= i - left) & (j <= i + right))
+    visible = both(visible, (j >= pos - left) & (j <= pos + right))
   if visible is not None:
-    visible = visible[None, None]
+    visible = visible[:, None] if visible.ndim == 3 else visible[None, None]
   if q_lens is not None:
     visible = both(visible, (i < q_lens[:, None, None])[:, None])
   if kv_lens is not None:

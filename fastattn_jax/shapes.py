@@ -33,6 +33,10 @@ class AttentionConfig:
     window: ``(left, right)``: key j visible to query i only if
       ``i - left <= j <= i + right``; None for no window.
     softcap: ``c`` in ``c * tanh(logits / c)`` or None.
+    end_aligned: causal and window rules place query row i at key position
+      ``i + kv_len - q_len`` (bottom-right alignment: the last valid query
+      sits at the last valid key, as when T new tokens attend over a cache
+      that already holds them) instead of at position i.
     has_bias, has_mask, has_q_lens, has_kv_lens: which optional operands follow
       query, key and value, in that order.
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
@@ -42,6 +46,7 @@ class AttentionConfig:
   is_causal: bool = False
   window: tuple[int, int] | None = None
   softcap: float | None = None
+  end_aligned: bool = False
   has_bias: bool = False
   has_mask: bool = False
   has_q_lens: bool = False

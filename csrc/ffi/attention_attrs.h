@@ -15,6 +15,7 @@ struct AttentionAttrs {
   float scale;
   float softcap;
   int64_t is_causal;
+  int64_t end_aligned;  // row i sits at key position i + kv_len - q_len
   int64_t window_left;
   int64_t window_right;
   int64_t kernel_path;  // CUDA: 70, 75 or 80 (the forced or chosen path); CPU: 0
@@ -86,6 +87,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fastattn::AttentionAttrs,
                                       StructMember<float>("scale"),
                                       StructMember<float>("softcap"),
                                       StructMember<int64_t>("is_causal"),
+                                      StructMember<int64_t>("end_aligned"),
                                       StructMember<int64_t>("window_left"),
                                       StructMember<int64_t>("window_right"),
                                       StructMember<int64_t>("kernel_path"));

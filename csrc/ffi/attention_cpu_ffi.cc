@@ -72,6 +72,7 @@ ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p.scale = attrs.scale;
   p.softcap = attrs.softcap;
   p.causal = attrs.is_causal != 0;
+  p.end_aligned = attrs.end_aligned != 0;
   p.window_left = attrs.window_left;
   p.window_right = attrs.window_right;
   fastattn::attention_forward_cpu(p);

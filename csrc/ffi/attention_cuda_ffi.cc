@@ -60,6 +60,16 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
   if (std::string why = variant->Check(); !why.empty()) {
     return ffi::Error::InvalidArgument("CUDA attention kernel " + variant->Describe() + ": " + why);
   }
+  // Split-KV: out and lse hold kv_splits partial results, (kv_splits * B, T, N, H) float32.
+  const auto od = out.dimensions();
+  p->kv_splits = d.B > 0 && od.size() == 4 ? static_cast<int>(od[0] / d.B) : 1;
+  if (d.B > 0 && (od.size() != 4 || od[0] % d.B != 0 || p->kv_splits < 1 || od[1] != d.T ||
+                  od[2] != d.N || od[3] != d.H ||
+                  (p->kv_splits > 1 && variant->out_dtype != 2))) {
+    return ffi::Error::InvalidArgument(
+        "CUDA attention: out " + fastattn::DimsString(od) + " is neither (B, T, N, H) = " +
+        fastattn::DimsString(q.dimensions()) + " nor float32 (kv_splits * B, T, N, H)");
+  }
   p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
   p->out = out.untyped_data();
   p->lse = lse.typed_data();
@@ -90,6 +100,7 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
   p->scale = attrs.scale;
   p->softcap = attrs.softcap;
   p->causal = attrs.is_causal != 0;
+  p->end_aligned = attrs.end_aligned != 0;
   p->window_left = static_cast<int>(attrs.window_left);
   p->window_right = static_cast<int>(attrs.window_right);
   return ffi::Error::Success();
@@ -178,10 +189,11 @@ ffi::Error ExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   }
   const cu::LoadedKernel& kn = *kernel;
   if (p.B == 0 || p.N == 0 || p.T == 0) return ffi::Error::Success();
-  const int64_t blocks = (int64_t{p.T} + kn.block_m - 1) / kn.block_m * p.N * p.B;
+  const int64_t blocks =
+      (int64_t{p.T} + kn.block_m - 1) / kn.block_m * p.N * p.B * p.kv_splits;
   if (blocks > INT32_MAX) {
     return ffi::Error::InvalidArgument("CUDA attention: ceil(T / " + std::to_string(kn.block_m) +
-                                       ") * N * B = " + std::to_string(blocks) +
+                                       ") * N * B * kv_splits = " + std::to_string(blocks) +
                                        " thread blocks exceed the grid limit");
   }
   FaTmaMaps maps{};

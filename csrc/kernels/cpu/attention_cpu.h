@@ -43,6 +43,9 @@ struct AttentionParams {
   float softcap = 0.0f;   // > 0: logits = softcap * tanh(logits / softcap),
                           // applied to the scaled logits before the bias
   bool causal = false;    // key j visible to query i only if j <= i
+  // Causal and window rules place query i at key position i + kv_len - q_len
+  // (bottom-right alignment) instead of i.
+  bool end_aligned = false;
   int64_t window_left = -1;   // >= 0: key j visible only if j >= i - left
   int64_t window_right = -1;  // >= 0: key j visible only if j <= i + right
 };

@@ -24,7 +24,7 @@
 //     (FA_PATH 90: fa_forward(const FaParams p, const FaTmaMaps maps))
 //   extern "C" __constant__ int fa_launch[4];
 //     // {block_m (Br), threads, smem bytes, block_n (Bc)}
-// and is launched with grid.x = ceil(T / block_m) * N * B, block.x = threads
+// and is launched with grid.x = ceil(T / block_m) * N * B * kv_splits, block.x = threads
 // and fa_launch[2] bytes of dynamic shared memory.
 #pragma once
 
@@ -53,6 +53,14 @@ struct FaParams {
   int causal;                 // key j visible to row i only if j <= i
   int window_left;            // >= 0: key j visible only if j >= i - left
   int window_right;           // >= 0: key j visible only if j <= i + right
+  int end_aligned;            // causal and window rules place row i at key
+                              // position i + kv_len - q_len, not i
+  int kv_splits;              // split-KV: >= 1 blocks per row block, each over
+                              // a share of its key tiles; with more than one,
+                              // split s writes its own softmax (out and lse,
+                              // normalized over its keys) as batch s * B + b
+                              // of (kv_splits * B, T, N, H) and (kv_splits * B,
+                              // T, N) arrays, which the caller combines
 };
 
 // A TMA descriptor (the driver's CUtensorMap, filled by
@@ -73,7 +81,8 @@ struct FaTmaMaps {
 #define FA_NEG_INF __int_as_float(0xff800000)
 
 // Row i of batch b sees key j iff i < q_len, j < kv_len (and j < S), the
-// causal and window bounds hold, and mask[b, n, i, j] is true. The final
+// causal and window bounds hold for the row's position (i, or with
+// end_aligned i + kv_len - q_len), and mask[b, n, i, j] is true. The final
 // logit of a visible key is
 //   x = scale * (q_i . k_j);  x = softcap * tanh(x / softcap) if softcap > 0;
 //   x += bias[b, n, i, j]
@@ -88,13 +97,22 @@ __device__ __forceinline__ int fa_kv_len(const FaParams& p, int b) {
   return p.kv_lens ? min(max(p.kv_lens[b], 0), p.S) : p.S;
 }
 
+// Key position of row 0 for the causal and window rules.
+__device__ __forceinline__ int fa_pos_shift(const FaParams& p, int q_len, int kv_len) {
+  return p.end_aligned ? kv_len - q_len : 0;
+}
+
 // Keys [*lo, *hi) hold every key that any row of [m0, m1) can see (index
 // rules only; the mask can hide more). Empty when *lo >= *hi.
 __device__ __forceinline__ void fa_key_range(const FaParams& p, int b, int m0,
                                              int m1, int* lo, int* hi) {
-  int l = 0, h = fa_kv_len(p, b);
-  m1 = min(m1, fa_q_len(p, b));
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  int l = 0, h = kv_len;
+  m1 = min(m1, q_len);
   if (m1 <= m0) h = 0;
+  const int shift = fa_pos_shift(p, q_len, kv_len);
+  m0 += shift;
+  m1 += shift;
   if (p.causal) h = min(h, m1);
   if (p.window_right >= 0) h = min((long long)h, (long long)m1 - 1 + p.window_right + 1);
   if (p.window_left >= 0) l = max((long long)l, (long long)m0 - p.window_left);
@@ -108,12 +126,25 @@ __device__ __forceinline__ void fa_key_tiles(int lo, int hi, int bc, int* t_begi
   *t_end = hi > lo ? (hi + bc - 1) / bc : *t_begin;
 }
 
+// Split-KV: the share [*t_begin, *t_end) of the key tiles that split `split`
+// of p.kv_splits walks (contiguous, as even as whole tiles allow).
+__device__ __forceinline__ void fa_split_tiles(const FaParams& p, int split, int* t_begin,
+                                               int* t_end) {
+  const int per = (*t_end - *t_begin + p.kv_splits - 1) / p.kv_splits;
+  *t_begin = min(*t_end, *t_begin + split * per);
+  *t_end = min(*t_end, *t_begin + per);
+}
+
 // True when every (row, key) of [m0, m1) x [n0, n1) passes the index rules,
 // so the tile needs no elementwise masking (the mask, if any, still applies).
 __device__ __forceinline__ bool fa_tile_all_visible(const FaParams& p, int b,
                                                     int m0, int m1, int n0,
                                                     int n1) {
-  if (m1 > fa_q_len(p, b) || n1 > fa_kv_len(p, b)) return false;
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  if (m1 > q_len || n1 > kv_len) return false;
+  const int shift = fa_pos_shift(p, q_len, kv_len);
+  m0 += shift;
+  m1 += shift;
   if (p.causal && n1 - 1 > m0) return false;
   if (p.window_right >= 0 && (long long)n1 - 1 > (long long)m0 + p.window_right) return false;
   if (p.window_left >= 0 && (long long)n0 < (long long)m1 - 1 - p.window_left) return false;
@@ -124,6 +155,7 @@ __device__ __forceinline__ bool fa_tile_all_visible(const FaParams& p, int b,
 __device__ __forceinline__ bool fa_visible(const FaParams& p, int q_len,
                                            int kv_len, int i, int j) {
   if (i >= q_len || j >= kv_len) return false;
+  i += fa_pos_shift(p, q_len, kv_len);
   if (p.causal && j > i) return false;
   if (p.window_right >= 0 && (long long)j > (long long)i + p.window_right) return false;
   if (p.window_left >= 0 && (long long)j < (long long)i - p.window_left) return false;
@@ -224,20 +256,29 @@ __device__ __forceinline__ unsigned fa_pack_in(float lo, float hi) {
 // --- Blocks and tiles ---------------------------------------------------------
 
 // What a block of fa_forward owns: query rows [m0, m0 + block_m) of batch b,
-// head n (reading key/value head kvh). Consecutive blocks share (b, n), so the
-// K/V they stream hit L2 together; causal row blocks go heaviest first to
-// shorten the tail.
+// head n (reading key/value head kvh), and split `split` of their key tiles.
+// Consecutive blocks share (b, n), so the K/V they stream hit L2 together;
+// the splits of one row block are grid-wide apart, and causal row blocks go
+// heaviest first to shorten the tail.
 struct FaBlock {
-  int b, n, kvh, m0, q_len, kv_len;
+  int b, n, kvh, m0, q_len, kv_len, split;
 };
 
 __device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m) {
   const int num_m = (p.T + block_m - 1) / block_m;
-  int mb = blockIdx.x % num_m;
-  const int bn = blockIdx.x / num_m;
+  const int per_split = num_m * p.N * p.B;
+  const int split = blockIdx.x / per_split, x = blockIdx.x - split * per_split;
+  int mb = x % num_m;
+  const int bn = x / num_m;
   const int n = bn % p.N, b = bn / p.N;
   if (p.causal) mb = num_m - 1 - mb;
-  return FaBlock{b, n, n / (p.N / p.K), mb * block_m, fa_q_len(p, b), fa_kv_len(p, b)};
+  return FaBlock{b, n, n / (p.N / p.K), mb * block_m, fa_q_len(p, b), fa_kv_len(p, b), split};
+}
+
+// The batch index block `blockIdx.x` writes its rows of batch b under: b, or
+// split * B + b under split-KV. Recomputed at the end rather than kept live.
+__device__ __forceinline__ int fa_out_batch(const FaParams& p, int block_m, int b) {
+  return blockIdx.x / (((p.T + block_m - 1) / block_m) * p.N * p.B) * p.B + b;
 }
 
 // A tile of rows of a (B, L, heads, H) 16-bit array: row r at base + r * ld;

@@ -25,10 +25,11 @@ __device__ __forceinline__ void fa_mask_rows(const FaParams& p, float (&s)[kNs][
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = row0 + h * 8;
+    const long long pos = (long long)i + fa_pos_shift(p, q_len, kv_len);
     long long jhi = i < q_len ? kv_len : 0, jlo = 0;
-    if (p.causal) jhi = min(jhi, (long long)i + 1);
-    if (p.window_right >= 0) jhi = min(jhi, (long long)i + p.window_right + 1);
-    if (p.window_left >= 0) jlo = (long long)i - p.window_left;
+    if (p.causal) jhi = min(jhi, pos + 1);
+    if (p.window_right >= 0) jhi = min(jhi, pos + p.window_right + 1);
+    if (p.window_left >= 0) jlo = pos - p.window_left;
     const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt)
@@ -131,7 +132,8 @@ __device__ __forceinline__ void fa_pack_a(const float (&s)[kNs][4], int kk, unsi
 }
 
 // Normalizes rows row0 and row0 + 8 (those < T) and writes them to out
-// (FA_OUT_DTYPE) and their natural-log LSE to lse. Rows with no visible key
+// (FA_OUT_DTYPE) and their natural-log LSE to lse, as rows of batch b (the
+// block's fa_out_batch). Rows with no visible key
 // have l == 0 exactly: they get 0 and -inf.
 template <int kNo>
 __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o)[kNo][4],

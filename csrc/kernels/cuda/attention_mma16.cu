@@ -184,6 +184,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   fa_key_range(p, b, w0, w1, &wlo, &whi);
   int t_begin, t_end;
   fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
+  fa_split_tiles(p, blk.split, &t_begin, &t_end);
 
   const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
   // K / V tile sources, their bases recomputed from the parameters each time
@@ -360,5 +361,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)
-    fa_write_rows(p, o[mt], row_m[mt], row_l[mt], b, n, w0 + mt * 16 + g, t4, to_log2);
+    fa_write_rows(p, o[mt], row_m[mt], row_l[mt], fa_out_batch(p, kBr, b), n, w0 + mt * 16 + g, t4, to_log2);
 }

@@ -205,17 +205,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   uint2* sk2 = sq2 + kSmemQ / 8;
   uint2* sv2 = kOneKV ? sk2 : sk2 + kSmemKV / 8;
 
-  const int n_mb = (p.T + kBr - 1) / kBr;
-  const int mb = blockIdx.x % n_mb;
-  const int n = (blockIdx.x / n_mb) % p.N;
-  const int b = blockIdx.x / n_mb / p.N;
-  const int kvh = n / (p.N / p.K);
-  const int m0 = mb * kBr;
+  const FaBlock blk = fa_block(p, kBr);
+  const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int t = lane & 3, t0 = lane & 1, t1 = (lane >> 1) & 1, h = lane >> 4;
   const int qp = (lane >> 2) & 3, rg = qp % kRG, part = qp / kRG;
 
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  const int q_len = blk.q_len, kv_len = blk.kv_len;
   const long long row_stride = (long long)p.N * kH;   // q / out
   const long long kv_stride = (long long)p.K * kH;
   const unsigned short* qg = static_cast<const unsigned short*>(p.q) +
@@ -244,7 +240,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
   float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
 
-  const int n_begin = lo / kBc * kBc;
+  int t_begin, t_end;
+  fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
+  fa_split_tiles(p, blk.split, &t_begin, &t_end);
+  const int n_begin = t_begin * kBc, n_end = t_end * kBc;
   uint4 pre[kLoadsKV];
   auto fetch = [&](const unsigned short* g, int n0) {
 #pragma unroll
@@ -267,13 +266,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     }
   };
 
-  if (n_begin < hi) {
+  if (n_begin < n_end) {
     fetch(kg, n_begin);
     stash(sk2);
   }
   __syncthreads();
 
-  for (int n0 = n_begin; n0 < hi; n0 += kBc) {
+  for (int n0 = n_begin; n0 < n_end; n0 += kBc) {
     fetch(vg, n0);  // V of this tile lands while QK^T runs
     const bool active = n0 < whi && n0 + kBc > wlo;
     unsigned pa[kKK][2];
@@ -338,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 
     __syncthreads();  // QK^T has read K; last tile's P V has read V
     stash(sv2);
-    const bool more = n0 + kBc < hi;
+    const bool more = n0 + kBc < n_end;
     if (more) fetch(kg, n0 + kBc);  // lands while P V runs
     __syncthreads();
 
@@ -371,9 +370,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   for (int r = 0; r < 2; ++r) {
     const int i = c_row0 + 2 * r;
     if (i >= p.T) continue;
-    if (t1 == 0 && part == 0) p.lse[((long long)b * p.T + i) * p.N + n] = lse[r];
-    char* orow = static_cast<char*>(p.out) +
-                 ((((long long)b * p.T + i) * p.N + n) * kH) * (FA_OUT_DTYPE == 2 ? 4 : 2);
+    const long long row = ((long long)fa_out_batch(p, kBr, b) * p.T + i) * p.N + n;
+    if (t1 == 0 && part == 0) p.lse[row] = lse[r];
+    char* orow = static_cast<char*>(p.out) + row * kH * (FA_OUT_DTYPE == 2 ? 4 : 2);
 #pragma unroll
     for (int j = 0; j < kNTO; ++j) {
 #pragma unroll

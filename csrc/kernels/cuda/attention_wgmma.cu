@@ -253,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
   int t_begin, t_end;
   fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
+  fa_split_tiles(p, blk.split, &t_begin, &t_end);
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
@@ -407,5 +408,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNo * 4>(&o[0][0]);
   }
 
-  fa_write_rows(p, o, row_m, row_l, b, n, w0 + g, t4, to_log2);
+  fa_write_rows(p, o, row_m, row_l, fa_out_batch(p, kBr, b), n, w0 + g, t4, to_log2);
 }

@@ -1,0 +1,160 @@
+"""Decode benchmark: ``decode_attention`` against ``jax.nn.dot_product_attention``.
+
+One new token per sequence (T = 1) attends over a full KV cache of S keys, in
+Llama-3-8B's shapes by default (N = 32 query heads, K = 8 key/value heads,
+H = 128, bfloat16), for batch sizes 1 and 8 and S from 4K to 256K.
+``jax.nn.dot_product_attention`` runs with ``key_value_seq_lengths`` and
+implementation "xla" and "cudnn" (where it runs).
+
+Timing: each competitor runs ``--calls`` times inside one jitted
+``lax.fori_loop`` (each call's output is the next call's query, so no call can
+be hoisted or skipped), so launch and dispatch overheads stay out of the
+figure as they would in a compiled decode loop; the median of ``--repeats``
+such loops, divided by the calls, is the time per call. Bandwidth = bytes of K
+and V read (2 * B * S * K * H * itemsize) / time, reported against the
+device's copy bandwidth measured the same way (bytes read plus written by
+``x + 1`` over a 2 GiB array).
+
+Run::
+
+  python -m fastattn_jax.bench_decode --out /tmp/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from fastattn_jax.decode import decode_attention
+
+
+def _loop(attention, calls: int):
+  """A jitted function running ``attention(q, k, v, lengths)`` ``calls`` times in a chain."""
+
+  def run(q, k, v, lengths):
+    body = lambda _, x: attention(x, k, v, lengths).astype(x.dtype)
+    return jax.lax.fori_loop(0, calls, body, q)
+
+  return jax.jit(run)
+
+
+def _median_seconds(fn, args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def copy_bandwidth(device, gib: float = 2.0, calls: int = 20, repeats: int = 5) -> float:
+  """Device copy bandwidth in bytes/s: (read + write bytes) of ``x + 1`` / time."""
+  n = int(gib * 2**30) // 2
+  x = jax.device_put(jnp.zeros((n,), jnp.bfloat16), device)
+  fn = jax.jit(lambda x: jax.lax.fori_loop(0, calls, lambda _, y: y + 1, x))
+  return 2 * n * 2 * calls / _median_seconds(fn, (x,), repeats)
+
+
+def competitors(platform: str) -> dict:
+  comps = {
+      "fastattn": lambda q, k, v, lengths: decode_attention(q, k, v, lengths),
+      "xla": lambda q, k, v, lengths: jax.nn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
+  }
+  if platform == "gpu":
+    comps["cudnn"] = lambda q, k, v, lengths: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+  return comps
+
+
+def run_case(B, S, N, K, H, dtype, comps, calls, repeats):
+  rng = jax.random.key(0)
+  kq, kk, kv = jax.random.split(rng, 3)
+  q = jax.random.normal(kq, (B, 1, N, H), dtype)
+  k = jax.random.normal(kk, (B, S, K, H), dtype)
+  v = jax.random.normal(kv, (B, S, K, H), dtype)
+  lengths = jnp.full((B,), S, jnp.int32)
+  kv_bytes = 2 * B * S * K * H * jnp.dtype(dtype).itemsize
+  row = {"B": B, "S": S, "N": N, "K": K, "H": H, "kv_bytes": kv_bytes}
+  for name, attention in comps.items():
+    try:
+      seconds = _median_seconds(_loop(attention, calls), (q, k, v, lengths), repeats) / calls
+      row[name] = {"us": seconds * 1e6, "GB/s": kv_bytes / seconds / 1e9}
+    except Exception as err:  # a competitor that cannot run this shape
+      row[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}
+  del q, k, v
+  return row
+
+
+def format_table(rows, names, copy_gbs) -> str:
+  head = ["B", "S"] + [f"{n} us" for n in names] + [f"{n} GB/s" for n in names]
+  head += [f"{n}/fastattn" for n in names[1:]] + ["fastattn % copy"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = [str(r["B"]), str(r["S"])]
+    us = {n: r[n].get("us") for n in names}
+    cells += [f"{us[n]:.1f}" if us[n] else "err" for n in names]
+    cells += [f"{r[n]['GB/s']:.0f}" if us[n] else "err" for n in names]
+    cells += [f"{us[n] / us['fastattn']:.2f}x" if us[n] and us["fastattn"] else "-"
+              for n in names[1:]]
+    cells.append(f"{100 * r['fastattn']['GB/s'] / copy_gbs:.0f}%" if us["fastattn"] else "-")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+      prog="python -m fastattn_jax.bench_decode",
+      description="Times decode_attention (T = 1 over a KV cache) against jax.nn.")
+  parser.add_argument("--batch", type=_int_list, default=(1, 8))
+  parser.add_argument("--seq-lens", type=_int_list,
+                      default=(4096, 16384, 65536, 131072, 262144))
+  parser.add_argument("--heads", type=int, default=32, help="N, query heads")
+  parser.add_argument("--kv-heads", type=int, default=8, help="K, key/value heads")
+  parser.add_argument("--head-dim", type=int, default=128, help="H")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  parser.add_argument("--calls", type=int, default=50, help="calls per timed loop")
+  parser.add_argument("--repeats", type=int, default=5, help="timed loops per measurement")
+  parser.add_argument("--out", default="bench_results", help="output directory")
+  args = parser.parse_args(argv)
+
+  device = jax.devices()[0]
+  platform = device.platform
+  comps = competitors(platform)
+  names = list(comps)
+  copy_gbs = copy_bandwidth(device) / 1e9
+  print(f"device: {device.device_kind}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
+  rows = []
+  cases = [(B, S) for B in args.batch for S in args.seq_lens]
+  for B, S in tqdm(cases, desc="decode bench", unit="shape", file=sys.stderr):
+    rows.append(run_case(B, S, args.heads, args.kv_heads, args.head_dim,
+                         jnp.dtype(args.dtype), comps, args.calls, args.repeats))
+  print(format_table(rows, names, copy_gbs))
+  for r in rows:
+    for n in names:
+      if "error" in r[n]:
+        print(f"B={r['B']} S={r['S']} {n}: {r[n]['error']}")
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "bench_decode.json")
+  with open(path, "w") as f:
+    json.dump({"device": device.device_kind, "copy_GBps": copy_gbs, "dtype": args.dtype,
+               "calls": args.calls, "rows": rows}, f, indent=1)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,253 @@
+"""Decoding over KV caches: ``KVCache``, ``write`` and ``decode_attention``.
+
+After prefill, each step appends the keys and values of T new tokens (T = 1
+for plain decoding, a few for speculative or chunked decoding) to every
+layer's cache and lets the T new queries attend over the whole cache. That is
+memory-bound work over a long S with few query rows, so the fused paths split
+each sequence's keys across thread blocks (CPU threads) and merge the partial
+softmaxes by their log-sum-exp (split-KV, "flash-decoding"; see
+``fastattn_jax.backends.kv_splits``).
+
+Layout: per layer, k and v of (B, S_max, K, H); one ``lengths`` (B,) int32
+for all layers, the number of positions of each sequence already written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import shapes
+from fastattn_jax.attention import choose_path, run_config, seq_lengths
+from fastattn_jax.shapes import AttentionConfig
+
+
+def _check_cache(name, cache_k, cache_v):
+  if cache_k.ndim != 4 or cache_k.shape != cache_v.shape or cache_k.dtype != cache_v.dtype:
+    raise ValueError(
+        f"{name}: key and value caches must both be (B, S_max, K, H) of one dtype, got "
+        f"{cache_k.shape} {cache_k.dtype} and {cache_v.shape} {cache_v.dtype}")
+
+
+def _check_lengths(lengths, B):
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"lengths must be an integer array of shape (B,) = ({B},), got "
+                     f"{lengths.shape} {lengths.dtype}")
+  return lengths.astype(jnp.int32)
+
+
+def _raise_if_past_end(past_end, lengths, T, S_max):
+  if np.any(past_end):
+    raise ValueError(
+        f"KV cache overflow: writing T={T} new positions at lengths {np.asarray(lengths)} "
+        f"goes past the cache's S_max={S_max}; allocate a longer cache")
+
+
+def write(cache_k, cache_v, lengths, k_new, v_new):
+  """Writes the keys and values of T new positions into one layer's cache.
+
+  Position ``lengths[b] + t`` of sequence b receives ``k_new[b, t]`` and
+  ``v_new[b, t]``. Under ``jax.jit`` with the caches donated
+  (``donate_argnums``) or inside ``lax.scan``, XLA updates them in place: no
+  copy of the cache per step.
+
+  Args:
+    cache_k, cache_v: (B, S_max, K, H), any floating dtype.
+    lengths: (B,) integer, positions already written (before this write).
+    k_new, v_new: (B, T, K, H); cast to the cache's dtype.
+
+  Returns:
+    The updated ``(cache_k, cache_v)``.
+
+  Raises:
+    ValueError: at trace time on shapes that do not fit; when ``lengths[b] +
+      T > S_max`` for some b: at once for concrete lengths, and when the
+      computation runs (the error reaches the caller as a JAX runtime error
+      carrying this message) for traced ones. Positions past S_max are never
+      written.
+  """
+  _check_cache("write", cache_k, cache_v)
+  B, S_max, K, H = cache_k.shape
+  if k_new.ndim != 4 or k_new.shape != v_new.shape or k_new.shape[0] != B or \
+      k_new.shape[2:] != (K, H):
+    raise ValueError(
+        f"write: k_new and v_new must be (B, T, K, H) = ({B}, T, {K}, {H}), got "
+        f"{k_new.shape} and {v_new.shape}")
+  T = k_new.shape[1]
+  lengths = _check_lengths(lengths, B)
+  past_end = lengths + T > S_max
+  try:
+    _raise_if_past_end(np.asarray(past_end), lengths, T, S_max)
+  except jax.errors.TracerArrayConversionError:
+    jax.debug.callback(functools.partial(_raise_if_past_end, T=T, S_max=S_max), past_end,
+                       lengths)
+  pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # (B, T)
+  b = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+
+  def put(cache, new):
+    return cache.at[b, pos].set(new.astype(cache.dtype), mode="drop")
+
+  return put(cache_k, k_new), put(cache_v, v_new)
+
+
+def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_window_size=None,
+                     logits_soft_cap=None, return_residual=False, implementation=None):
+  r"""Attention of T new queries over a KV cache that already holds their keys.
+
+  Query t of sequence b sits at position ``lengths[b] - T + t`` and sees the
+  keys at positions ``j <= lengths[b] - T + t`` (causal among the new tokens,
+  aligned to the end of each sequence; with a window ``(left, right)`` also
+  ``j >= position - left``). Keys at positions ``>= lengths[b]`` are never
+  read. Same result as ``jax.nn.dot_product_attention(query, cache_k[:, :L],
+  cache_v[:, :L], is_causal=...)`` for one sequence of length L, with the
+  queries the last T rows.
+
+  The fused paths run split-KV (FlashDecoding: the keys of each sequence split
+  across thread blocks, partial softmaxes merged by their log-sum-exp) when
+  the batch and heads alone would leave the device idle. With T = 1 the G = N /
+  K query heads that share a key/value head are folded into the rows of one
+  tile, so each cache head is streamed once per step. Algorithm: FastAttention
+  (Lin et al., 2024) tiling with the tiling-mask, and the online softmax of
+  FlashAttention-2; split-KV after Dao et al., "Flash-Decoding for long-context
+  inference" (2023).
+
+  Args:
+    query: (B, T, N, H), float16, bfloat16, float32 (or float64, reference
+      math).
+    cache_k, cache_v: (B, S_max, K, H), query's dtype; N a multiple of K.
+    lengths: (B,) integer, valid positions of each sequence, including the T
+      new ones (``lengths[b] >= T`` for every sequence with queries).
+    scale, local_window_size, logits_soft_cap, return_residual,
+      implementation: as in ``fastattn_jax.fast_attention``.
+
+  Returns:
+    out (B, T, N, H) in query's dtype; with ``return_residual`` also the LSE,
+    (B, T, N) float32. A query whose position is negative (``lengths[b] <
+    T``) sees no key: out 0, LSE -inf.
+
+  Raises:
+    ValueError, TypeError: as ``fast_attention``, naming the argument and its
+      shape, at trace time.
+  """
+  query = jnp.asarray(query)
+  _check_cache("decode_attention", cache_k, cache_v)
+  dims = shapes.check_qkv(query, cache_k, cache_v)
+  lengths = seq_lengths("lengths", lengths, dims)
+  config = AttentionConfig(
+      scale=(1.0 / np.sqrt(dims.H) if scale is None else shapes.static_float("scale", scale)),
+      is_causal=dims.T > 1,
+      window=shapes.normalize_window(local_window_size),
+      softcap=(None if logits_soft_cap is None else
+               shapes.static_float("logits_soft_cap", logits_soft_cap, positive=True)),
+      end_aligned=True, has_kv_lens=True,
+      implementation=choose_path(implementation, query.dtype))
+  if config.implementation == "cudnn":
+    raise ValueError("decode_attention: implementation='cudnn' is not supported; "
+                     "use None, 'xla' or a fused path")
+  B, T, N, H = query.shape
+  K = dims.K
+  G = N // K
+  fold = T == 1 and G > 1 and config.window is None
+  q = query
+  if fold:
+    # One position per sequence: the G heads of a key/value head become G
+    # rows of a multi-head problem with K heads (no causal rule among them).
+    q = query.reshape(B, K, G, H).transpose(0, 2, 1, 3)
+    config = dataclasses.replace(config, is_causal=False, end_aligned=False)
+  out, lse = run_config(config, q, cache_k, cache_v, None, None, None, lengths)
+  if fold:
+    out = out.transpose(0, 2, 1, 3).reshape(B, 1, N, H)
+    lse = lse.transpose(0, 2, 1).reshape(B, 1, N)
+  return (out, lse) if return_residual else out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """The key/value caches of every layer of a decoder, and the sequence lengths.
+
+  A pytree: pass it through ``jax.jit`` (donate it for in-place updates) and
+  ``lax.scan``. Each layer's arrays may live in any memory the caller chose
+  (``jax.device_put`` with a sharding of ``memory_kind="pinned_host"``, see
+  ``fastattn_jax.offload``).
+
+  Attributes:
+    k, v: tuples of per-layer (B, S_max, K, H) arrays.
+    lengths: (B,) int32, positions of each sequence written so far (equal in
+      every layer).
+  """
+
+  k: tuple
+  v: tuple
+  lengths: jax.Array
+
+  @classmethod
+  def create(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+             dtype=jnp.bfloat16, lengths=None, device=None) -> "KVCache":
+    """A zero-filled cache; ``lengths`` (B,) defaults to zeros.
+
+    ``device``: a ``jax.Device`` or ``jax.sharding.Sharding`` the arrays are
+    created on (default: the default device).
+
+    Raises:
+      ValueError: for non-positive sizes.
+    """
+    for name, x in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len),
+                    ("kv_heads", kv_heads), ("head_dim", head_dim)):
+      if int(x) <= 0:
+        raise ValueError(f"KVCache.create: {name} must be positive, got {x}")
+    shape = (batch, max_len, kv_heads, head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=_sharding(device))
+    lengths = jnp.zeros((batch,), jnp.int32) if lengths is None else jnp.asarray(
+        lengths, jnp.int32)
+    if lengths.shape != (batch,):
+      raise ValueError(f"KVCache.create: lengths must have shape ({batch},), got {lengths.shape}")
+    return cls(k=tuple(zeros() for _ in range(num_layers)),
+               v=tuple(zeros() for _ in range(num_layers)), lengths=lengths)
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.k)
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+  def attend(self, layer: int, query, k_new, v_new, **kwargs):
+    """Writes T new positions into ``layer`` and attends the T queries over it.
+
+    Args:
+      layer: the layer index (static).
+      query: (B, T, N, H); k_new, v_new: (B, T, K, H).
+      **kwargs: scale, local_window_size, logits_soft_cap, implementation,
+        as in ``decode_attention``.
+
+    Returns:
+      ``(out, cache)``: out (B, T, N, H); the cache with that layer written
+      and ``lengths`` unchanged (call ``advance(T)`` once every layer is
+      done).
+
+    Raises:
+      ValueError: as ``write`` and ``decode_attention``.
+    """
+    k, v = write(self.k[layer], self.v[layer], self.lengths, k_new, v_new)
+    out = decode_attention(query, k, v, self.lengths + k_new.shape[1], **kwargs)
+    cache = dataclasses.replace(
+        self, k=self.k[:layer] + (k,) + self.k[layer + 1:],
+        v=self.v[:layer] + (v,) + self.v[layer + 1:])
+    return out, cache
+
+  def advance(self, T: int) -> "KVCache":
+    """The cache with every length grown by T (the step's new positions)."""
+    return dataclasses.replace(self, lengths=self.lengths + T)
+
+
+def _sharding(device):
+  if device is None or isinstance(device, jax.sharding.Sharding):
+    return device
+  return jax.sharding.SingleDeviceSharding(device)

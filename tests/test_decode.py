@@ -1,0 +1,215 @@
+"""Decoding over KV caches: ``decode_attention``, ``write``, ``KVCache`` and split-KV.
+
+References: the float64 definition (``fa_testutil.reference64``) with the
+end-aligned causal rule written out as a mask, ``jax.nn.dot_product_attention``
+with ``key_value_seq_lengths`` for single-token steps, and one full causal
+attention for a multi-step decode.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import backends, fast_attention
+from fastattn_jax.decode import KVCache, decode_attention, write
+
+
+def _cache(rng, B, S_max, K, H, dtype):
+  k = rng.standard_normal((B, S_max, K, H)).astype(np.float32)
+  v = rng.standard_normal((B, S_max, K, H)).astype(np.float32)
+  return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+
+
+def _end_aligned_reference(q, k, v, lengths, window=None):
+  """float64 (out, lse): query t of sequence b at position lengths[b] - T + t."""
+  B, T = q.shape[:2]
+  S = k.shape[1]
+  pos = np.asarray(lengths)[:, None, None] - T + np.arange(T)[None, :, None]  # (B, T, 1)
+  j = np.arange(S)[None, None, :]
+  vis = (j <= pos) & (j < np.asarray(lengths)[:, None, None])
+  if window is not None:
+    vis &= j >= pos - window[0]
+  return tu.reference64(q, k, v, mask=vis[:, None])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("N,K", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_decode_attention_matches_reference(T, N, K, dtype):
+  rng = np.random.default_rng(tu.seed_of(f"decode{T}{N}{K}{dtype}"))
+  B, S_max, H = 4, 301, 64
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), tu.DTYPES[dtype])
+  k, v = _cache(rng, B, S_max, K, H, tu.DTYPES[dtype])
+  # A sequence shorter than T (its first queries see nothing), one exactly T
+  # long, one in the middle, one full.
+  lengths = jnp.array([max(T - 1, 0), T, 177, S_max], jnp.int32)
+  fast, fast_lse = decode_attention(q, k, v, lengths, implementation=tu.IMPL,
+                                    return_residual=True)
+  xla, xla_lse = decode_attention(q, k, v, lengths, implementation="xla", return_residual=True)
+  ref, ref_lse = _end_aligned_reference(q, k, v, lengths)
+  atol = tu.OUT_ATOL[tu.computed_dtype(tu.IMPL, dtype)]
+  tu.assert_accepted(fast, xla, ref, atol, tu.XLA_MAX_ERR[dtype], "out")
+  tu.assert_accepted(fast_lse, xla_lse, ref_lse, tu.LSE_ATOL[dtype], 1e-4, "lse")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_single_token_matches_jax_nn(dtype):
+  rng = np.random.default_rng(tu.seed_of(f"jaxnn{dtype}"))
+  B, S_max, N, K, H = 3, 257, 8, 2, 64
+  q = jnp.asarray(rng.standard_normal((B, 1, N, H)), tu.DTYPES[dtype])
+  k, v = _cache(rng, B, S_max, K, H, tu.DTYPES[dtype])
+  lengths = jnp.array([1, 100, 257], jnp.int32)
+  got = decode_attention(q, k, v, lengths, implementation=tu.IMPL)
+  want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+  err = np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)))
+  assert err <= tu.JAXNN_TOL[tu.computed_dtype(tu.IMPL, dtype)], err
+
+
+def test_window_end_aligned():
+  rng = np.random.default_rng(3)
+  B, T, S_max, N, K, H = 2, 3, 200, 4, 2, 32
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+  k, v = _cache(rng, B, S_max, K, H, jnp.float32)
+  lengths = jnp.array([150, 40], jnp.int32)
+  got = decode_attention(q, k, v, lengths, local_window_size=(16, 0), implementation=tu.IMPL)
+  ref, _ = _end_aligned_reference(q, k, v, lengths, window=(16, 0))
+  assert tu.max_err(got, ref) <= tu.ref_atol()
+
+
+def test_long_cache_split_kv():
+  """S long enough for split-KV on the CPU (and on a GPU: batch 1, 2 heads)."""
+  rng = np.random.default_rng(4)
+  B, S_max, N, K, H = 1, 5000, 8, 2, 64
+  q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.bfloat16)
+  k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
+  lengths = jnp.array([4777], jnp.int32)
+  assert backends.kv_splits(B, 4, K, S_max, multiprocessors=132) > 1
+  fast, lse = decode_attention(q, k, v, lengths, implementation=tu.IMPL, return_residual=True)
+  xla, xla_lse = decode_attention(q, k, v, lengths, implementation="xla", return_residual=True)
+  ref, ref_lse = _end_aligned_reference(q, k, v, lengths)
+  tu.assert_accepted(fast, xla, ref, tu.OUT_ATOL["bfloat16"], tu.XLA_MAX_ERR["bfloat16"], "out")
+  tu.assert_accepted(lse, xla_lse, ref_lse, tu.LSE_ATOL["bfloat16"], 1e-4, "lse")
+
+
+def test_kv_splits_rule():
+  # Plenty of row blocks: no split.
+  assert backends.kv_splits(8, 1024, 32, 4096, multiprocessors=132) == 1
+  # One sequence, 8 heads, 64K keys: about two blocks per multiprocessor.
+  assert backends.kv_splits(1, 4, 8, 65536, multiprocessors=132) == 33
+  # Short keys bound the split: at least MIN_SPLIT_KEYS keys each.
+  assert backends.kv_splits(1, 4, 8, 4096, multiprocessors=132) == 4096 // backends.MIN_SPLIT_KEYS
+  assert backends.kv_splits(1, 1, 1, 10 ** 7, multiprocessors=132) == backends.MAX_KV_SPLITS
+  assert backends.kv_splits(1, 1, 1, 100, multiprocessors=132) == 1
+
+
+def test_combine_splits_equals_unsplit():
+  """Softmaxes of key ranges merged by their LSE equal the softmax of all keys."""
+  rng = np.random.default_rng(5)
+  B, T, N, H, S = 2, 3, 2, 16, 90
+  q = rng.standard_normal((B, T, N, H))
+  k = rng.standard_normal((B, S, N, H))
+  v = rng.standard_normal((B, S, N, H))
+  cuts = [0, 7, 7, 50, 90]  # one empty split
+  outs, lses = [], []
+  for lo, hi in zip(cuts[:-1], cuts[1:]):
+    o, l = tu.reference64(q, k[:, lo:hi], v[:, lo:hi])
+    outs.append(o)
+    lses.append(l)
+  out, lse = backends.combine_splits(jnp.asarray(np.stack(outs), jnp.float32),
+                                     jnp.asarray(np.stack(lses), jnp.float32))
+  ref, ref_lse = tu.reference64(q, k, v)
+  assert tu.max_err(out, ref) < 1e-5
+  assert tu.max_err(lse, ref_lse) < 1e-5
+  # Rows no split saw: 0 and -inf, not NaN.
+  empty = jnp.full((2, B, T, N), -jnp.inf)
+  out, lse = backends.combine_splits(jnp.zeros((2, B, T, N, H)), empty)
+  assert not np.asarray(out).any() and np.isneginf(np.asarray(lse)).all()
+
+
+def test_multistep_decode_equals_full_attention():
+  """Prefill, then single-token steps in a jitted scan and one 3-token step,
+  through KVCache: every row equals one causal attention over the sequence."""
+  rng = np.random.default_rng(6)
+  B, N, K, H, L, S_max = 2, 8, 2, 32, 3, 64
+  P, steps = 9, 6
+  total = P + steps + 3
+  q_all = jnp.asarray(rng.standard_normal((B, total, N, H)), jnp.float32)
+  k_all = jnp.asarray(rng.standard_normal((L, B, total, K, H)), jnp.float32)
+  v_all = jnp.asarray(rng.standard_normal((L, B, total, K, H)), jnp.float32)
+
+  cache = KVCache.create(L, B, S_max, K, H, jnp.float32)
+  outs = []
+  for layer in range(L):  # prefill: all layers see the same q for simplicity
+    out, cache = cache.attend(layer, q_all[:, :P], k_all[layer, :, :P], v_all[layer, :, :P],
+                              implementation=tu.IMPL)
+  outs.append(out)
+  cache = cache.advance(P)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def decode(cache, xs):
+    def step(cache, x):
+      q, k, v = x
+      for layer in range(L):
+        out, cache = cache.attend(layer, q[:, None], k[layer][:, None], v[layer][:, None],
+                                  implementation=tu.IMPL)
+      return cache.advance(1), out[:, 0]
+    return jax.lax.scan(step, cache, xs)
+
+  xs = (q_all[:, P:P + steps].swapaxes(0, 1),
+        k_all[:, :, P:P + steps].transpose(2, 0, 1, 3, 4),
+        v_all[:, :, P:P + steps].transpose(2, 0, 1, 3, 4))
+  cache, step_outs = decode(cache, xs)
+  outs.append(step_outs.swapaxes(0, 1))
+  for layer in range(L):
+    out, cache = cache.attend(layer, q_all[:, P + steps:], k_all[layer, :, P + steps:],
+                              v_all[layer, :, P + steps:], implementation=tu.IMPL)
+  outs.append(out)
+  cache = cache.advance(3)
+  assert np.array_equal(np.asarray(cache.lengths), [total, total])
+
+  got = jnp.concatenate(outs, axis=1)
+  want = fast_attention(q_all, k_all[-1], v_all[-1], is_causal=True, implementation="xla")
+  assert tu.max_err(got, np.asarray(want, np.float64)) <= tu.ref_atol()
+
+
+def test_write_updates_in_place_under_donation():
+  B, S_max, K, H = 2, 32, 2, 16
+  k = jnp.zeros((B, S_max, K, H))
+  new = jnp.ones((B, 2, K, H))
+  lengths = jnp.array([3, 30], jnp.int32)
+  fn = jax.jit(write, donate_argnums=(0, 1))
+  assert "input_output_alias" in fn.lower(k, k, lengths, new, new).compile().as_text()
+  k2, _ = fn(k, jnp.zeros_like(k), lengths, new, 2 * new)
+  k2 = np.asarray(k2)
+  assert k2[0, 3:5].all() and k2[1, 30:32].all()
+  assert k2.sum() == 2 * 2 * K * H
+
+
+def test_write_past_the_end_raises():
+  B, S_max, K, H = 2, 16, 1, 8
+  k = jnp.zeros((B, S_max, K, H))
+  new = jnp.ones((B, 3, K, H))
+  lengths = jnp.array([2, 14], jnp.int32)
+  with pytest.raises(ValueError, match=r"KV cache overflow.*S_max=16"):
+    write(k, k, lengths, new, new)
+  with pytest.raises(Exception, match=r"KV cache overflow"):
+    jax.block_until_ready(jax.jit(write)(k, k, lengths, new, new))
+  # Within bounds under jit: no error.
+  jax.block_until_ready(jax.jit(write)(k, k, jnp.array([2, 13]), new, new))
+
+
+def test_bad_shapes_name_the_argument():
+  k = jnp.zeros((2, 16, 2, 8))
+  q = jnp.zeros((2, 1, 4, 8))
+  with pytest.raises(ValueError, match="lengths"):
+    decode_attention(q, k, k, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match=r"\(2, 16, 2, 8\)"):
+    decode_attention(q, k, k[:, :8], jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match="k_new"):
+    write(k, k, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 1, 3, 8)), jnp.zeros((2, 1, 3, 8)))
+  with pytest.raises(ValueError, match="max_len"):
+    KVCache.create(2, 1, 0, 2, 8)
