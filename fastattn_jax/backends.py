@@ -149,7 +149,7 @@ def log_path_once(path: str, platform: str) -> None:
 
 
 #: Split-KV on the CUDA paths: each split covers at least this many keys.
-MIN_SPLIT_KEYS = 512
+MIN_SPLIT_KEYS = 256
 #: At most this many splits.
 MAX_KV_SPLITS = 64
 #: Rows of the largest CUDA kernel tile (Br), for counting thread blocks.

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from fastattn_jax import shapes
 from fastattn_jax.attention import choose_path, run_config, seq_lengths
@@ -84,8 +85,8 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
   try:
     _raise_if_past_end(np.asarray(past_end), lengths, T, S_max)
   except jax.errors.TracerArrayConversionError:
-    jax.debug.callback(functools.partial(_raise_if_past_end, T=T, S_max=S_max), past_end,
-                       lengths)
+    io_callback(functools.partial(_raise_if_past_end, T=T, S_max=S_max), None, past_end,
+                lengths)
   pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # (B, T)
   b = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
 
