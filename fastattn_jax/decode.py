@@ -66,11 +66,11 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
     The updated ``(cache_k, cache_v)``.
 
   Raises:
-    ValueError: at trace time on shapes that do not fit; when ``lengths[b] +
-      T > S_max`` for some b: at once for concrete lengths, and when the
-      computation runs (the error reaches the caller as a JAX runtime error
-      carrying this message) for traced ones. Positions past S_max are never
-      written.
+    ValueError: at trace time on shapes that do not fit; at once when
+      concrete ``lengths`` have ``lengths[b] + T > S_max`` for some b. With
+      traced lengths (under jit) the write lands on the last T positions
+      (XLA clamps the start) and ``KVCache.advance`` of the same step
+      reports the overflow.
   """
   _check_cache("write", cache_k, cache_v)
   B, S_max, K, H = cache_k.shape
@@ -82,16 +82,18 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
   T = k_new.shape[1]
   lengths = _check_lengths(lengths, B)
   past_end = lengths + T > S_max
-  try:
+  if not isinstance(past_end, jax.core.Tracer):
     _raise_if_past_end(np.asarray(past_end), lengths, T, S_max)
-  except jax.errors.TracerArrayConversionError:
-    io_callback(functools.partial(_raise_if_past_end, T=T, S_max=S_max), None, past_end,
-                lengths)
-  pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # (B, T)
-  b = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
 
   def put(cache, new):
-    return cache.at[b, pos].set(new.astype(cache.dtype), mode="drop")
+    # One slice update per sequence, on the bits: XLA:CPU would run a 16-bit
+    # float update in float32, converting (and copying) the whole cache.
+    bits = jnp.dtype(f"uint{8 * cache.dtype.itemsize}")
+    raw = jax.lax.bitcast_convert_type(cache, bits)
+    new = jax.lax.bitcast_convert_type(new.astype(cache.dtype), bits)
+    for b in range(B):
+      raw = jax.lax.dynamic_update_slice(raw, new[b:b + 1], (b, lengths[b], 0, 0))
+    return jax.lax.bitcast_convert_type(raw, cache.dtype)
 
   return put(cache_k, k_new), put(cache_v, v_new)
 
@@ -244,8 +246,33 @@ class KVCache:
     return out, cache
 
   def advance(self, T: int) -> "KVCache":
-    """The cache with every length grown by T (the step's new positions)."""
-    return dataclasses.replace(self, lengths=self.lengths + T)
+    """The cache with every length grown by T (the step's new positions).
+
+    Raises:
+      ValueError: when a length would pass ``max_len``: at once for concrete
+        lengths; under jit when the step runs (as a JAX runtime error carrying
+        the message), through a host callback, once per step. That needs a
+        CPU backend: with ``JAX_PLATFORMS=cuda`` alone a traced overflow is
+        not reported.
+    """
+    lengths = self.lengths + T
+    if not self.k:  # no layer here (all of them offloaded): nothing to overflow
+      return dataclasses.replace(self, lengths=lengths)
+    past_end = lengths > self.max_len
+    if not isinstance(past_end, jax.core.Tracer):
+      _raise_if_past_end(np.asarray(past_end), self.lengths, T, self.max_len)
+    elif _has_cpu_backend():
+      io_callback(functools.partial(_raise_if_past_end, T=T, S_max=self.max_len), None,
+                  past_end, self.lengths)
+    return dataclasses.replace(self, lengths=lengths)
+
+
+@functools.cache
+def _has_cpu_backend() -> bool:
+  try:
+    return bool(jax.devices("cpu"))
+  except RuntimeError:
+    return False
 
 
 def _sharding(device):
