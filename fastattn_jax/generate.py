@@ -1,0 +1,410 @@
+"""Greedy decoding with a Llama-style decoder over a long KV cache, with host offload.
+
+Run ``python -m fastattn_jax.generate --preset llama3-8b --context 524288``
+(``--help`` lists the options). The example and benchmark of
+``fastattn_jax.offload``:
+
+1. random weights of the preset (``fastattn_jax.llama``: Llama-2-7B or
+   Llama-3-8B shapes, or ``tiny``) are created on the device;
+2. the rates of the machine are measured (``offload.measure_rates``) and the
+   KV cache is planned (``offload.plan_offload``) within the device memory
+   left after the weights, and the plan is printed;
+3. a random prompt of ``--prompt-len`` tokens is prefilled with
+   ``fast_attention`` (causal), and the cache is filled up to ``--context``
+   positions: the prompt's keys and values, then random ones (generated on
+   the device one layer at a time, host-resident layers moved to host memory
+   layer by layer), which stands in for a long prefill;
+4. ``--new-tokens`` tokens are decoded greedily with ``decode_attention``
+   over the cache (``llama.decode_step`` when the whole cache is on the
+   device, ``llama.offloaded_decode_step`` otherwise); the first step warms
+   up (compiles) and is not timed.
+
+It prints and (with ``--out DIR``) writes to ``DIR/results.json``: decode
+tokens/s and per-token latency, device memory in use
+(``Device.memory_stats``, where the platform has it), host memory of the
+host-resident KV cache, the plan and the predicted per-token time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from fastattn_jax import llama, offload
+
+#: Device memory kept free beyond the plan (activations, logits, kernel
+#: workspace), on top of one layer's KV for the fill's transient buffers.
+DEVICE_MARGIN_BYTES = 3 << 29
+#: Positions of random keys/values drawn per loop step when filling the cache.
+FILL_CHUNK = 4096
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+  return value
+
+
+def _context(text: str) -> int | str:
+  return "max" if text == "max" else _positive_int(text)
+
+
+def _gib_arg(text: str) -> float:
+  value = float(text)
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+  return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """Parses the command line (see ``--help``); exits with status 2 on malformed values."""
+  parser = argparse.ArgumentParser(prog="python -m fastattn_jax.generate",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="tiny", choices=sorted(llama.PRESETS),
+                      help="model shape (default: tiny)")
+  parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                      help="weights, activations and KV cache (default: the preset's, bfloat16)")
+  parser.add_argument("--context", type=_context, default=4096,
+                      help="cache positions before decoding, prompt included (tokens), or "
+                           "'max': the longest that fits the budgets in the --offload mode "
+                           "(default: 4096)")
+  parser.add_argument("--prompt-len", type=_positive_int, default=None,
+                      help="prompt tokens prefilled with fast_attention; the rest of the "
+                           "context is random keys and values (default: min(16, context))")
+  parser.add_argument("--new-tokens", type=_positive_int, default=32,
+                      help="tokens to decode, the first one a warm-up (default: 32, at least 2)")
+  parser.add_argument("--batch", type=_positive_int, default=1, help="sequences B (default: 1)")
+  parser.add_argument("--offload", default="auto", choices=("auto", *offload.MODES),
+                      help="where host-resident layers' attention runs: auto (the planner "
+                           "picks), none (all on the device), stream, host (default: auto)")
+  parser.add_argument("--host-layers", type=int, default=None,
+                      help="force L_CPU host-resident layers (with --offload stream or host)")
+  parser.add_argument("--device-memory-gb", type=_gib_arg, default=None,
+                      help="device memory the KV cache may take, GiB (2**30 bytes); default: "
+                           "free device memory after the weights minus a margin of 1.5 GiB "
+                           "and one layer's KV")
+  parser.add_argument("--host-memory-gb", type=_gib_arg, default=None,
+                      help="host memory the offloaded KV cache may take, GiB; default: 90%% "
+                           "of the available host memory")
+  parser.add_argument("--seed", type=int, default=0, help="weights, prompt and cache fill")
+  parser.add_argument("--implementation", default=None,
+                      help="attention path, as in fast_attention (default: automatic)")
+  parser.add_argument("--out", default=None, help="folder to write results.json into")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  return parser.parse_args(argv)
+
+
+def _budgets(args, config, device):
+  """(device budget as a function of the context, host budget, how the device budget is found).
+
+  The device budget is for the KV cache and the stream buffers: the free
+  device memory after the weights minus ``DEVICE_MARGIN_BYTES`` and one
+  layer's KV at the context (the fill's transient buffers), or
+  ``--device-memory-gb``. Bytes.
+  """
+  available = offload.available_host_bytes()
+  stats = device.memory_stats() or {}
+  per_position = args.batch * config.kv_bytes_per_token
+  if args.device_memory_gb is not None:
+    fixed = int(args.device_memory_gb * offload.GiB)
+    budget, source = (lambda _context: fixed), "--device-memory-gb"
+  elif "bytes_limit" in stats:
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+    def budget(context):
+      return max(free - DEVICE_MARGIN_BYTES - (context + args.new_tokens) * per_position, 0)
+
+    source = (f"free device memory {offload.format_bytes(free)} after the weights, minus "
+              f"{offload.format_bytes(DEVICE_MARGIN_BYTES)} and one layer's KV")
+  else:
+    # No memory statistics (the CPU backend): device and host share the RAM.
+    fixed = int(0.45 * available)
+    budget, source = (lambda _context: fixed), "45% of the available host memory"
+  if args.host_memory_gb is not None:
+    host_budget = int(args.host_memory_gb * offload.GiB)
+  else:
+    host_budget = int(0.9 * available) - (budget(0) if device.platform == "cpu" else 0)
+  return budget, max(host_budget, 0), source
+
+
+def _check_args(args, config):
+  """Raises ValueError naming the argument for values that cannot run with ``config``."""
+  if args.new_tokens < 2:
+    raise ValueError(f"--new-tokens must be at least 2 (one warm-up step, then timed steps), "
+                     f"got {args.new_tokens}")
+  if args.context != "max":
+    if args.context + args.new_tokens > config.max_context:
+      raise ValueError(
+          f"--context {args.context} + --new-tokens {args.new_tokens} exceeds the "
+          f"max_context of preset {config.name!r}, {config.max_context} positions")
+    if args.prompt_len is not None and args.prompt_len > args.context:
+      raise ValueError(f"--prompt-len {args.prompt_len} exceeds --context {args.context}")
+  if args.host_layers is not None:
+    if args.offload not in ("stream", "host"):
+      raise ValueError(f"--host-layers needs --offload stream or host, got --offload "
+                       f"{args.offload}")
+    if not 0 <= args.host_layers <= config.num_layers:
+      raise ValueError(f"--host-layers must be in [0, {config.num_layers}] for preset "
+                       f"{config.name!r}, got {args.host_layers}")
+
+
+def _rate_contexts(device, bytes_per_position):
+  """Two cache lengths for ``measure_rates``: 64 and 256 MiB of KV on a GPU, 4 and 16 on a CPU."""
+  small = (64 << 20) if device.platform != "cpu" else (4 << 20)
+  S1 = max(256, small // bytes_per_position)
+  return S1, 4 * S1
+
+
+def _fill_layer(key, prompt_k, prompt_v, *, context, length):
+  """One layer's cache (B, length, K, H): the prompt's keys/values, random ones up to ``context``.
+
+  The random part is drawn ``FILL_CHUNK`` positions at a time into the output
+  (in place in a loop), so the temporaries stay small next to a long cache;
+  positions from ``context`` on are zero.
+  """
+  B, P, K, H = prompt_k.shape
+  n = context - P
+  chunk = min(FILL_CHUNK, n)
+
+  def build(prompt, key):
+    out = jnp.zeros((B, length, K, H), prompt.dtype).at[:, :P].set(prompt)
+    if n == 0:
+      return out
+
+    def body(i, out):
+      noise = jax.random.normal(jax.random.fold_in(key, i), (B, chunk, K, H), prompt.dtype)
+      # The last chunk may overlap the one before; it never passes ``context``.
+      start = jnp.minimum(P + i * chunk, context - chunk)
+      return jax.lax.dynamic_update_slice(out, noise, (0, start, 0, 0))
+
+    return jax.lax.fori_loop(0, -(-n // chunk), body, out)
+
+  k_key, v_key = jax.random.split(key)
+  return build(prompt_k, k_key), build(prompt_v, v_key)
+
+
+def _build_cache(plan, prompt_k, prompt_v, key, *, device, host_device, progress):
+  """The plan's cache: per layer the prompt's keys/values (L, B, P, K, H), then random ones."""
+  fill_fn = jax.jit(_fill_layer, static_argnames=("context", "length"),
+                    out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+  def fill(layer, length):
+    return fill_fn(jax.random.fold_in(key, layer), prompt_k[layer], prompt_v[layer],
+                   context=plan.context, length=length)
+
+  return offload.OffloadedKVCache.build(plan, fill, device=device, host_device=host_device,
+                                        progress=progress)
+
+
+def _memory_report(device, kv_bytes):
+  stats = device.memory_stats() or {}
+  report = {name: int(stats[name]) for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+            if name in stats}
+  report.update(kv_bytes)
+  report["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return report
+
+
+def _plan_json(plan: offload.OffloadPlan) -> dict:
+  return {
+      "mode": plan.mode, "device_layers": list(plan.device_layers),
+      "host_layers": list(plan.host_layers), "context": plan.context, "max_len": plan.max_len,
+      "device_budget_bytes": plan.device_budget_bytes,
+      "host_budget_bytes": plan.host_budget_bytes, "device_kv_bytes": plan.device_kv_bytes,
+      "staging_bytes": plan.staging_bytes, "tail_bytes": plan.tail_bytes,
+      "host_kv_bytes": plan.host_kv_bytes, "reason": plan.reason,
+      "longest_device_context": plan.longest_device_context,
+      "predicted_step_s": {p.mode: p.seconds for p in plan.predictions},
+      "predicted_host_layers": {p.mode: p.host_layers for p in plan.predictions},
+      "explain": plan.explain(),
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  """Runs the example; see the module docstring and ``--help``.
+
+  Returns:
+    The results (also printed, and written to ``--out``/results.json):
+    ``tokens`` (B, new_tokens) generated ids, ``tokens_per_s`` (decode,
+    after the warm-up step, all B sequences), ``step_ms`` (mean, p50, p90 of
+    a decode step), ``plan``, ``rates``, ``memory`` (bytes) and ``timings_s``.
+
+  Raises:
+    SystemExit: malformed arguments (argparse, status 2); values that cannot
+      run together, e.g. a context past the preset's ``max_context`` (status
+      1, the message names the arguments and their values); a KV cache that
+      does not fit the budgets (status 1, the message says what would fit:
+      the device budget, the host memory, the longest context).
+  """
+  args = parse_args(argv)
+  config = llama.preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
+  try:
+    _check_args(args, config)
+  except ValueError as err:
+    raise SystemExit(f"python -m fastattn_jax.generate: error: {err}") from None
+  try:
+    return _run(args, config)
+  except offload.OffloadError as err:
+    raise SystemExit(f"python -m fastattn_jax.generate: {err}") from None
+
+
+def _run(args, config: llama.LlamaConfig) -> dict:
+  device = jax.devices()[0]
+  host_device = offload.default_host_device()
+  timings = {}
+  start = time.perf_counter()
+  params = jax.block_until_ready(llama.init_params(config, args.seed, device=device))
+  timings["init_weights"] = time.perf_counter() - start
+  print(f"{config.name}: {config.num_layers} layers, D={config.d_model}, N={config.num_heads}, "
+        f"K={config.num_kv_heads}, H={config.head_dim}, {config.dtype}; weights "
+        f"{offload.format_bytes(config.weight_bytes)} on {device} in "
+        f"{timings['init_weights']:.1f} s")
+
+  B, L = args.batch, config.num_layers
+  device_budget_for, host_budget, source = _budgets(args, config, device)
+  if args.context == "max":
+    modes = ("none",) if args.offload == "none" else (
+        offload.MODES if args.offload == "auto" else (args.offload,))
+
+    def longest(context):
+      return min(config.max_context - args.new_tokens, offload.longest_context(
+          L, B, args.new_tokens, config.num_kv_heads, config.head_dim, config.dtype,
+          device_budget_bytes=device_budget_for(context), host_budget_bytes=host_budget,
+          modes=modes))
+
+    # The margin grows with the context: a second pass with the first answer's
+    # margin is conservative (a smaller context needs a smaller margin).
+    context = longest(longest(0))
+    if context <= 0 or (args.prompt_len or 1) > context:
+      raise SystemExit(f"python -m fastattn_jax.generate: error: the longest context that "
+                       f"fits the budgets is {context} tokens, less than --prompt-len "
+                       f"{args.prompt_len or 1}")
+    print(f"--context max: {context} tokens fit")
+  else:
+    context = args.context
+  device_budget = device_budget_for(context)
+  prompt_len = args.prompt_len or min(16, context)
+  print(f"device budget for the KV cache: {offload.format_bytes(device_budget)} ({source}); "
+        f"host budget {offload.format_bytes(host_budget)}")
+
+  rates = None
+  if args.offload != "none":
+    start = time.perf_counter()
+    rates = offload.measure_rates(
+        B, config.num_heads, config.num_kv_heads, config.head_dim, config.dtype, device=device,
+        host_device=host_device,
+        contexts=_rate_contexts(device, 2 * B * config.num_kv_heads * config.head_dim
+                                * jnp.dtype(config.dtype).itemsize),
+        transfer_bytes=(64 << 20) if device.platform != "cpu" else (16 << 20))
+    timings["measure_rates"] = time.perf_counter() - start
+  plan = offload.plan_offload(
+      L, B, context, args.new_tokens, config.num_kv_heads, config.head_dim, config.dtype,
+      device_budget_bytes=device_budget, host_budget_bytes=host_budget, rates=rates,
+      mode=args.offload, host_layers=args.host_layers,
+      weight_bytes_per_layer=config.layer_weight_bytes)
+  print(plan.explain(), flush=True)
+
+  key = jax.random.key(args.seed)
+  prompt = jax.random.randint(jax.random.fold_in(key, 1), (B, prompt_len), 0, config.vocab_size,
+                              jnp.int32)
+  start = time.perf_counter()
+  logits, prompt_k, prompt_v = jax.block_until_ready(
+      llama.prefill(params, prompt, config=config, implementation=args.implementation))
+  timings["prefill"] = time.perf_counter() - start
+
+  start = time.perf_counter()
+  cache = _build_cache(plan, prompt_k, prompt_v, jax.random.fold_in(key, 2), device=device,
+                       host_device=host_device, progress=not args.no_progress)
+  del prompt_k, prompt_v
+  timings["fill_cache"] = time.perf_counter() - start
+  kv_bytes = {"device_kv_bytes": cache.device_bytes(), "host_kv_bytes": cache.host_bytes()}
+
+  if plan.mode == "none":
+    state = {"cache": cache.device}
+
+    def step(tokens):
+      out, state["cache"] = llama.decode_step(params, state["cache"], tokens, config=config,
+                                              implementation=args.implementation)
+      return out
+  else:
+    def step(tokens):
+      return llama.offloaded_decode_step(params, cache, tokens, config=config,
+                                         implementation=args.implementation)
+
+  tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)  # (B, 1)
+  del logits
+  generated = []
+  step_s = []
+  bar = tqdm(range(args.new_tokens), desc="decoding", unit="tok", disable=args.no_progress)
+  for i in bar:
+    start = time.perf_counter()
+    tokens = jnp.argmax(step(tokens)[:, -1:], axis=-1).astype(jnp.int32)
+    generated.append(np.asarray(tokens))  # waits for the step
+    elapsed = time.perf_counter() - start
+    if i == 0:
+      timings["warmup_step"] = elapsed
+    else:
+      step_s.append(elapsed)
+      bar.set_postfix(tok_s=f"{B * len(step_s) / sum(step_s):.2f}")
+  bar.close()
+  timings["decode"] = float(sum(step_s))
+
+  step_ms = np.asarray(step_s) * 1e3
+  results = {
+      "preset": config.name, "dtype": config.dtype, "device": str(device),
+      "device_kind": device.device_kind, "jax_version": jax.__version__,
+      "batch": B, "context": context, "prompt_len": prompt_len, "new_tokens": args.new_tokens,
+      "offload_requested": args.offload, "seed": args.seed,
+      "tokens_per_s": B * len(step_s) / timings["decode"],
+      "step_ms": {"mean": float(step_ms.mean()), "p50": float(np.percentile(step_ms, 50)),
+                  "p90": float(np.percentile(step_ms, 90))},
+      "predicted_step_ms": (None if plan.prediction(plan.mode).seconds is None
+                            else plan.prediction(plan.mode).seconds * 1e3),
+      "plan": _plan_json(plan),
+      "rates": None if rates is None else vars(rates),
+      "memory": _memory_report(device, kv_bytes),
+      "timings_s": timings,
+      "tokens": np.concatenate(generated, axis=1).tolist(),
+  }
+  _print_results(results)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+      json.dump(results, f, indent=2)
+    print(f"wrote {path}")
+  return results
+
+
+def _print_results(r: dict) -> None:
+  mem = r["memory"]
+  predicted = ("" if r["predicted_step_ms"] is None
+               else f" (predicted {r['predicted_step_ms']:.2f} ms)")
+  lines = [
+      f"decode: {r['tokens_per_s']:.2f} tokens/s (B={r['batch']}, context {r['context']}, "
+      f"mode {r['plan']['mode']!r}); per-token latency mean {r['step_ms']['mean']:.2f} ms, "
+      f"p50 {r['step_ms']['p50']:.2f} ms, p90 {r['step_ms']['p90']:.2f} ms" + predicted,
+      f"device memory: KV cache {offload.format_bytes(mem['device_kv_bytes'])}; " + (
+          ", ".join(f"{name} {offload.format_bytes(mem[name])}"
+                    for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+                    if name in mem) or "no allocator statistics on this platform"),
+      f"host memory: KV cache {offload.format_bytes(mem['host_kv_bytes'])}, process peak RSS "
+      f"{offload.format_bytes(mem['process_peak_rss_bytes'])}",
+      "timings: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in r["timings_s"].items()),
+      f"tokens (sequence 0): {r['tokens'][0]}",
+  ]
+  print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,453 @@
+"""A Llama-style decoder in plain JAX: prefill with ``fast_attention``, decode over KV caches.
+
+The architecture is Llama's (Touvron et al. 2023, "LLaMA: Open and Efficient
+Foundation Language Models" and "Llama 2: Open Foundation and Fine-Tuned Chat
+Models"; Meta, "The Llama 3 Herd of Models", 2024): pre-normalization with
+RMSNorm (Zhang and Sennrich 2019), rotary position embeddings (RoPE, Su et al.
+2021) on queries and keys, grouped-query attention (GQA, Ainslie et al. 2023:
+N query heads share K key/value heads), a SwiGLU feed-forward block (Shazeer
+2020) and no biases. RoPE rotates the two halves of each head (the
+"rotate-half" layout of the Hugging Face port); Llama 3.1's long-context
+frequency scaling is not applied.
+
+Weights are random (from a seed), created directly on the target device. The
+presets have the shapes of Llama-2-7B and Llama-3-8B, plus a ``tiny`` one for
+tests and CPU demos. Prefill runs ``fastattn_jax.fast_attention`` with
+``is_causal=True``; decoding writes each step's keys and values into a
+``fastattn_jax.decode.KVCache`` (``decode_step``) or a host-offloaded
+``fastattn_jax.offload.OffloadedKVCache`` (``offloaded_decode_step``) and
+attends with ``decode_attention``.
+
+Shapes: B batch, T new tokens per step, P prompt tokens, D model width, N
+query heads, K key/value heads, H head dim, F feed-forward width, V vocabulary,
+L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax.attention import fast_attention
+from fastattn_jax.decode import KVCache
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape hyper-parameters of a Llama-style decoder.
+
+  Attributes:
+    name: preset name.
+    num_layers: L.
+    d_model: D, the residual stream width.
+    num_heads: N query heads.
+    num_kv_heads: K key/value heads (N a multiple of K).
+    head_dim: H.
+    ffn_dim: F, the SwiGLU hidden width.
+    vocab_size: V.
+    rope_theta: RoPE base (10000 in Llama 2, 500000 in Llama 3).
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: the output projection is the transposed embedding.
+    max_context: the longest sequence (cache positions) this example accepts.
+      The checkpoints were trained at 4096 (Llama 2) and 8192 (Llama 3)
+      tokens; with random weights, longer contexts measure speed and memory
+      only, so the large presets allow 2**20 positions (integer positions
+      stay exact in the float32 RoPE angles).
+    dtype: dtype name of the weights, activations and KV cache.
+  """
+
+  name: str
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  vocab_size: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  max_context: int = 1 << 20
+  dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                  "vocab_size", "max_context"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"LlamaConfig {self.name!r}: {field} must be positive, got "
+                         f"{getattr(self, field)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"LlamaConfig {self.name!r}: num_heads={self.num_heads} is not a "
+                       f"multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig {self.name!r}: RoPE needs an even head_dim, got "
+                       f"{self.head_dim}")
+    if self.dtype not in ("bfloat16", "float16", "float32"):
+      raise ValueError(f"LlamaConfig {self.name!r}: dtype must be bfloat16, float16 or "
+                       f"float32, got {self.dtype!r}")
+
+  @property
+  def kv_bytes_per_token(self) -> int:
+    """Bytes of keys and values one position takes in one layer's cache (B = 1)."""
+    return 2 * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+  @property
+  def layer_weight_bytes(self) -> int:
+    """Bytes of one decoder layer's weights."""
+    D, N, K, H, F = (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.ffn_dim)
+    count = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
+    return count * jnp.dtype(self.dtype).itemsize
+
+  @property
+  def weight_bytes(self) -> int:
+    """Bytes of all weights (layers, embedding, final norm, output projection)."""
+    embed = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+    return (self.num_layers * self.layer_weight_bytes
+            + (embed + self.d_model) * jnp.dtype(self.dtype).itemsize)
+
+
+#: Presets by name: the shapes of Llama-2-7B and Llama-3-8B, and a small one.
+PRESETS = {
+    "tiny": LlamaConfig("tiny", num_layers=4, d_model=256, num_heads=8, num_kv_heads=2,
+                        head_dim=32, ffn_dim=512, vocab_size=512, tie_embeddings=True,
+                        max_context=1 << 16),
+    "llama2-7b": LlamaConfig("llama2-7b", num_layers=32, d_model=4096, num_heads=32,
+                             num_kv_heads=32, head_dim=128, ffn_dim=11008, vocab_size=32000),
+    "llama3-8b": LlamaConfig("llama3-8b", num_layers=32, d_model=4096, num_heads=32,
+                             num_kv_heads=8, head_dim=128, ffn_dim=14336, vocab_size=128256,
+                             rope_theta=500000.0),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+  """The preset ``name`` ("tiny", "llama2-7b", "llama3-8b"), with fields replaced.
+
+  Raises:
+    ValueError: unknown name (the message lists the presets), or replaced
+      fields that make no valid config.
+  """
+  if name not in PRESETS:
+    raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(PRESETS)}")
+  return dataclasses.replace(PRESETS[name], **overrides)
+
+
+# --- weights -----------------------------------------------------------------
+
+def _normal(key, shape, std, dtype):
+  return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+#: Standard deviation of the random embedding (the usual 0.02): with tied
+#: embeddings, a larger one lets a token's own embedding dominate its logits, and
+#: greedy decoding of random weights repeats the input token.
+EMBED_STD = 0.02
+
+
+def _init_layer(config: LlamaConfig, key) -> Params:
+  D, N, K, H, F = (config.d_model, config.num_heads, config.num_kv_heads, config.head_dim,
+                   config.ffn_dim)
+  dt = jnp.dtype(config.dtype)
+  ks = jax.random.split(key, 7)
+  return {
+      "attn_norm": jnp.ones((D,), dt),
+      "wq": _normal(ks[0], (D, N * H), D ** -0.5, dt),
+      "wk": _normal(ks[1], (D, K * H), D ** -0.5, dt),
+      "wv": _normal(ks[2], (D, K * H), D ** -0.5, dt),
+      "wo": _normal(ks[3], (N * H, D), (N * H) ** -0.5, dt),
+      "mlp_norm": jnp.ones((D,), dt),
+      "w_gate": _normal(ks[4], (D, F), D ** -0.5, dt),
+      "w_up": _normal(ks[5], (D, F), D ** -0.5, dt),
+      "w_down": _normal(ks[6], (F, D), F ** -0.5, dt),
+  }
+
+
+def _init_top(config: LlamaConfig, key) -> Params:
+  dt = jnp.dtype(config.dtype)
+  k_embed, k_head = jax.random.split(key)
+  top = {"embed": _normal(k_embed, (config.vocab_size, config.d_model), EMBED_STD, dt),
+         "final_norm": jnp.ones((config.d_model,), dt)}
+  if not config.tie_embeddings:
+    top["lm_head"] = _normal(k_head, (config.d_model, config.vocab_size),
+                             config.d_model ** -0.5, dt)
+  return top
+
+
+def init_params(config: LlamaConfig, seed: int = 0, *, device=None) -> Params:
+  """Random weights of ``config``, created on ``device`` without passing through the host.
+
+  Projections are normal with standard deviation 1/sqrt(fan_in), the
+  embedding normal with ``EMBED_STD``, norm scales 1; each layer's weights come from
+  ``fold_in(key(seed), layer)`` by one jitted function (compiled once) whose
+  outputs are placed on ``device`` (``out_shardings``).
+
+  Args:
+    config: the model shape.
+    seed: integer seed.
+    device: a ``jax.Device`` (default: ``jax.devices()[0]``).
+
+  Returns:
+    ``{"embed": (V, D), "final_norm": (D,), ["lm_head": (D, V) when untied,]
+    "layers": [per layer {"attn_norm": (D,), "wq": (D, N*H), "wk": (D, K*H),
+    "wv": (D, K*H), "wo": (N*H, D), "mlp_norm": (D,), "w_gate": (D, F),
+    "w_up": (D, F), "w_down": (F, D)}]}``, arrays of ``config.dtype``.
+  """
+  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+  key = jax.random.key(seed)
+  layer_init = jax.jit(functools.partial(_init_layer, config), out_shardings=sharding)
+  params = jax.jit(functools.partial(_init_top, config), out_shardings=sharding)(
+      jax.random.fold_in(key, config.num_layers))
+  params["layers"] = [layer_init(jax.random.fold_in(key, layer))
+                      for layer in range(config.num_layers)]
+  return params
+
+
+# --- the blocks ----------------------------------------------------------------
+
+def _rms_norm(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rope(x, positions, theta):
+  """Rotates (B, T, heads, H) by the angles of integer positions (B, T), rotate-half layout."""
+  H = x.shape[-1]
+  inv_freq = theta ** (-np.arange(0, H, 2, dtype=np.float64) / H)
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :H // 2], x32[..., H // 2:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _embed(top, tokens):
+  return top["embed"][tokens]
+
+
+def _attention_inputs(config: LlamaConfig, p, x, positions):
+  """(B, T, D) -> q (B, T, N, H), k and v (B, T, K, H), RoPE applied at ``positions``."""
+  B, T, _ = x.shape
+  N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+  h = _rms_norm(x, p["attn_norm"], config.norm_eps)
+  q = (h @ p["wq"]).reshape(B, T, N, H)
+  k = (h @ p["wk"]).reshape(B, T, K, H)
+  v = (h @ p["wv"]).reshape(B, T, K, H)
+  return _rope(q, positions, config.rope_theta), _rope(k, positions, config.rope_theta), v
+
+
+def _attention_output_and_mlp(config: LlamaConfig, p, x, attn):
+  """The rest of a layer: output projection, residual, SwiGLU block, residual."""
+  B, T, _ = x.shape
+  x = x + (attn.reshape(B, T, -1) @ p["wo"]).astype(x.dtype)
+  h = _rms_norm(x, p["mlp_norm"], config.norm_eps)
+  return x + ((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]).astype(x.dtype)
+
+
+def _logits(config: LlamaConfig, top, x):
+  h = _rms_norm(x, top["final_norm"], config.norm_eps)
+  w = top["embed"].T if config.tie_embeddings else top["lm_head"]
+  return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+
+
+def _top(params):
+  return {name: value for name, value in params.items() if name != "layers"}
+
+
+def _positions(lengths, T):
+  return jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
+def _check_tokens(tokens, what):
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{what}: tokens must be an integer array (B, T), got {tokens.shape} "
+                     f"{tokens.dtype}")
+
+
+# --- prefill -------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("config", "implementation"))
+def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None):
+  """Runs the decoder over whole prompts with causal ``fast_attention``.
+
+  Args:
+    params: from ``init_params``.
+    tokens: (B, P) integer token ids in [0, V).
+    config: the model shape (static).
+    implementation: passed to ``fast_attention`` (None: the platform's best).
+
+  Returns:
+    ``(logits, k, v)``: logits (B, P, V) float32 (position i predicts token
+    i + 1); k and v (L, B, P, K, H) of ``config.dtype``, every layer's keys
+    (RoPE applied) and values, to be written into a KV cache at positions
+    [0, P).
+
+  Raises:
+    ValueError: tokens not a 2-D integer array, or P > ``config.max_context``.
+  """
+  tokens = jnp.asarray(tokens)
+  _check_tokens(tokens, "prefill")
+  B, P = tokens.shape
+  if P > config.max_context:
+    raise ValueError(f"prefill: P={P} prompt tokens exceed max_context={config.max_context} "
+                     f"of preset {config.name!r}")
+  positions = _positions(jnp.zeros((B,), jnp.int32), P)
+  x = _embed(params, tokens)
+  ks, vs = [], []
+  for p in params["layers"]:
+    q, k, v = _attention_inputs(config, p, x, positions)
+    attn = fast_attention(q, k, v, is_causal=True, implementation=implementation)
+    x = _attention_output_and_mlp(config, p, x, attn)
+    ks.append(k)
+    vs.append(v)
+  return _logits(config, params, x), jnp.stack(ks), jnp.stack(vs)
+
+
+# --- decode --------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("config", "slots", "embed", "head", "advance",
+                                             "implementation"), donate_argnames=("cache",))
+def _device_layers(layer_params, top, x, cache: KVCache, *, config, slots, embed, head, advance,
+                   implementation):
+  """Consecutive layers whose caches are in ``cache`` (slot i of ``cache`` per layer), jitted.
+
+  ``x`` is tokens (B, T) when ``embed``, else the residual stream (B, T, D);
+  returns logits (B, T, V) float32 when ``head``, else the residual stream,
+  and the updated cache (lengths grown by T when ``advance``).
+  """
+  if embed:
+    x = _embed(top, x)
+  positions = _positions(cache.lengths, x.shape[1])
+  for p, slot in zip(layer_params, slots):
+    q, k, v = _attention_inputs(config, p, x, positions)
+    attn, cache = cache.attend(slot, q, k, v, implementation=implementation)
+    x = _attention_output_and_mlp(config, p, x, attn)
+  if advance:
+    cache = cache.advance(x.shape[1])
+  return (_logits(config, top, x) if head else x), cache
+
+
+def decode_step(params: Params, cache: KVCache, tokens, *, config: LlamaConfig,
+                implementation=None):
+  """One decode step over a device-resident KV cache: a single jitted call, cache donated.
+
+  Writes the keys and values of the T new tokens of every layer at positions
+  ``cache.lengths[b] + t`` (in place: the cache is donated, so the passed
+  ``cache`` must not be used afterwards) and attends with
+  ``decode_attention`` (causal among the new tokens).
+
+  Args:
+    params: from ``init_params``.
+    cache: a ``KVCache`` of ``config.num_layers`` layers of (B, S_max, K, H)
+      in ``config.dtype``.
+    tokens: (B, T) integer, the new tokens (T = 1 for plain decoding).
+    config: the model shape.
+    implementation: passed to ``decode_attention``.
+
+  Returns:
+    ``(logits, cache)``: logits (B, T, V) float32; the cache with the new
+    positions written and ``lengths`` grown by T.
+
+  Raises:
+    ValueError: tokens not (B, T) integer, a cache whose layer count or
+      shape does not match ``config``, or (as ``decode.write``) positions past
+      S_max.
+  """
+  tokens = jnp.asarray(tokens)
+  _check_tokens(tokens, "decode_step")
+  _check_cache_shape(config, cache.num_layers, cache.k[0].shape, tokens.shape[0])
+  return _device_layers(tuple(params["layers"]), _top(params), tokens, cache, config=config,
+                        slots=tuple(range(config.num_layers)), embed=True, head=True,
+                        advance=True, implementation=implementation)
+
+
+def _check_cache_shape(config, num_layers, layer_shape, B):
+  expected = (B, config.num_kv_heads, config.head_dim)
+  got = (layer_shape[0], *layer_shape[2:])
+  if num_layers != config.num_layers or got != expected:
+    raise ValueError(
+        f"KV cache of {num_layers} layers of {tuple(layer_shape)} does not match preset "
+        f"{config.name!r}: expected {config.num_layers} layers of (B={B}, S_max, "
+        f"K={config.num_kv_heads}, H={config.head_dim})")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "embed"))
+def _host_layer_inputs(p, top, x, lengths, *, config, embed):
+  if embed:
+    x = _embed(top, x)
+  q, k, v = _attention_inputs(config, p, x, _positions(lengths, x.shape[1]))
+  return x, q, k, v
+
+
+@functools.partial(jax.jit, static_argnames=("config", "head"))
+def _host_layer_outputs(p, top, x, attn, *, config, head):
+  x = _attention_output_and_mlp(config, p, x, attn)
+  return _logits(config, top, x) if head else x
+
+
+def offloaded_decode_step(params: Params, cache, tokens, *, config: LlamaConfig,
+                          implementation=None):
+  """One decode step over an ``offload.OffloadedKVCache`` (some layers' KV in host memory).
+
+  Runs of consecutive device-resident layers execute as one jitted call each
+  with their caches donated (``cache.device`` is replaced by the updated
+  cache); a host-resident layer runs its projections on the device and its
+  attention through ``cache.attend`` (streamed to the device, or computed on
+  the host CPU, as ``cache.plan.mode`` says). The placement and the two modes
+  follow FastAttention's CPU-GPU cooperative strategy (Lin et al. 2024); see
+  ``fastattn_jax.offload``.
+
+  Args:
+    params: from ``init_params``, on the device.
+    cache: an ``OffloadedKVCache`` for ``config`` (updated in place: the new
+      positions written, lengths grown by T).
+    tokens: (B, T) integer, the new tokens.
+    config: the model shape.
+    implementation: passed to ``decode_attention`` for device-resident and
+      streamed layers (host-computed layers use the fused "cpu" kernel).
+
+  Returns:
+    logits (B, T, V) float32, on the device.
+
+  Raises:
+    ValueError: tokens not (B, T) integer, a cache that does not match
+      ``config``, or positions past the cache's capacity (``cache.plan.max_len``).
+  """
+  tokens = jnp.asarray(tokens)
+  _check_tokens(tokens, "offloaded_decode_step")
+  plan = cache.plan
+  _check_cache_shape(config, plan.num_layers,
+                     (plan.batch, plan.max_len, plan.kv_heads, plan.head_dim), tokens.shape[0])
+  cache.check_room(tokens.shape[1])
+  top = _top(params)
+  layers = params["layers"]
+  lengths = cache.lengths
+  x = tokens
+  embed = True
+  layer = 0
+  while layer < config.num_layers:
+    last = layer == config.num_layers - 1
+    if cache.slot(layer) is None:
+      x, q, k, v = _host_layer_inputs(layers[layer], top, x, lengths, config=config, embed=embed)
+      attn = cache.attend(layer, q, k, v, implementation=implementation)
+      x = _host_layer_outputs(layers[layer], top, x, attn, config=config, head=last)
+      layer += 1
+    else:
+      run = [layer]
+      while run[-1] + 1 < config.num_layers and cache.slot(run[-1] + 1) is not None:
+        run.append(run[-1] + 1)
+      x, cache.device = _device_layers(
+          tuple(layers[i] for i in run), top, x, cache.device, config=config,
+          slots=tuple(cache.slot(i) for i in run), embed=embed,
+          head=run[-1] == config.num_layers - 1, advance=False, implementation=implementation)
+      layer = run[-1] + 1
+    embed = False
+  cache.advance(tokens.shape[1])
+  return x

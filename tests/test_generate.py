@@ -1,0 +1,161 @@
+"""fastattn_jax.llama and fastattn_jax.generate: prefill and cached decoding against a
+float64 numpy forward pass over the whole sequence, greedy tokens of offloaded runs equal
+to the all-on-device run, the presets' parameter counts, and the command line."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastattn_jax import generate, llama, offload
+from fastattn_jax.decode import KVCache
+
+TINY32 = llama.preset("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return llama.init_params(TINY32, seed=3)
+
+
+def reference_logits(params, tokens, config):
+  """Logits (B, S, V) of a float64 numpy forward pass over the whole sequence (no cache)."""
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+  Bt, S = tokens.shape
+  N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+
+  def rms(x, w):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.norm_eps) * w
+
+  angle = np.arange(S)[:, None] * config.rope_theta ** (-np.arange(H // 2) * 2.0 / H)
+
+  def rope(x):  # (B, S, heads, H); the first and second halves form the rotated pairs
+    c, s = np.cos(angle)[None, :, None], np.sin(angle)[None, :, None]
+    a, b = x[..., :H // 2], x[..., H // 2:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+  causal = np.tril(np.ones((S, S), bool))
+  x = p["embed"][tokens]
+  for w in p["layers"]:
+    h = rms(x, w["attn_norm"])
+    q = rope((h @ w["wq"]).reshape(Bt, S, N, H))
+    k = np.repeat(rope((h @ w["wk"]).reshape(Bt, S, K, H)), N // K, axis=2)
+    v = np.repeat((h @ w["wv"]).reshape(Bt, S, K, H), N // K, axis=2)
+    logits = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(H)
+    logits = np.where(causal, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    x = x + np.einsum("bnqk,bknh->bqnh", weights, v).reshape(Bt, S, N * H) @ w["wo"]
+    h = rms(x, w["mlp_norm"])
+    gate = h @ w["w_gate"]
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"])) @ w["w_down"]
+  out = p["embed"].T if config.tie_embeddings else p["lm_head"]
+  return rms(x, p["final_norm"]) @ out
+
+
+def test_prefill_and_cached_decode_match_a_float64_forward_pass(params, rng):
+  Bt, P, steps = 2, 11, 4
+  tokens = rng.integers(0, TINY32.vocab_size, (Bt, P)).astype(np.int32)
+  logits, ks, vs = llama.prefill(params, tokens, config=TINY32)
+  assert logits.shape == (Bt, P, TINY32.vocab_size) and ks.shape == (4, Bt, P, 2, 32)
+  np.testing.assert_allclose(logits, reference_logits(params, tokens, TINY32), atol=2e-4)
+
+  S_max = P + steps
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, S_max - P), (0, 0), (0, 0)))
+  cache = KVCache(k=tuple(pad(k) for k in ks), v=tuple(pad(v) for v in vs),
+                  lengths=jnp.full((Bt,), P, jnp.int32))
+  sequence = tokens
+  for _ in range(steps):
+    new = np.argmax(np.asarray(logits[:, -1]), axis=-1).astype(np.int32)[:, None]
+    sequence = np.concatenate([sequence, new], axis=1)
+    logits, cache = llama.decode_step(params, cache, new, config=TINY32)
+    expected = reference_logits(params, sequence, TINY32)[:, -1:]
+    np.testing.assert_allclose(logits, expected, atol=2e-4)
+  np.testing.assert_array_equal(cache.lengths, P + steps)
+
+
+def _greedy(params, plan, fill, first, steps):
+  cache = offload.OffloadedKVCache.build(plan, fill)
+  device_cache = cache.device
+  tokens, all_logits = first, []
+  for _ in range(steps):
+    if plan.mode == "none":
+      logits, device_cache = llama.decode_step(params, device_cache, tokens, config=TINY32)
+    else:
+      logits = llama.offloaded_decode_step(params, cache, tokens, config=TINY32)
+    all_logits.append(np.asarray(logits))
+    tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+  return np.concatenate(all_logits, axis=1)
+
+
+@pytest.mark.parametrize("mode,host_layers", [("stream", 2), ("host", 2), ("stream", 4),
+                                              ("host", 1)])
+def test_offloaded_greedy_decoding_gives_the_on_device_tokens(params, rng, mode, host_layers):
+  Bt, P, context, steps = 2, 6, 90, 6
+  prompt = rng.integers(0, TINY32.vocab_size, (Bt, P)).astype(np.int32)
+  logits, ks, vs = llama.prefill(params, prompt, config=TINY32)
+  noise = rng.standard_normal((TINY32.num_layers, 2, Bt, context - P, 2, 32)).astype(np.float32)
+
+  def fill(layer, length):
+    zeros = jnp.zeros((Bt, length - context, 2, 32), jnp.float32)
+    return tuple(jnp.concatenate([x[layer], n, zeros], axis=1)
+                 for x, n in ((ks, noise[layer, 0]), (vs, noise[layer, 1])))
+
+  plan_args = (TINY32.num_layers, Bt, context, steps, 2, 32, "float32")
+  budgets = dict(device_budget_bytes=1 << 40, host_budget_bytes=1 << 40)
+  first = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+  on_device = _greedy(params, offload.plan_offload(*plan_args, **budgets, mode="none"), fill,
+                      first, steps)
+  plan = offload.plan_offload(*plan_args, **budgets, mode=mode, host_layers=host_layers)
+  assert len(plan.host_layers) == host_layers
+  offloaded = _greedy(params, plan, fill, first, steps)
+  np.testing.assert_array_equal(offloaded.argmax(-1), on_device.argmax(-1))
+  np.testing.assert_allclose(offloaded, on_device, atol=1e-4)
+
+
+def test_presets_have_the_published_parameter_counts():
+  # Llama-2-7B: 6,738,415,616 parameters; Llama-3-8B: 8,030,261,248 (bf16: 2 bytes each).
+  assert llama.preset("llama2-7b").weight_bytes == 2 * 6_738_415_616
+  assert llama.preset("llama3-8b").weight_bytes == 2 * 8_030_261_248
+  assert llama.preset("llama3-8b").kv_bytes_per_token == 2 * 8 * 128 * 2
+  with pytest.raises(ValueError, match="unknown Llama preset 'llama4'"):
+    llama.preset("llama4")
+  with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+    llama.preset("tiny", num_heads=6, num_kv_heads=4)
+
+
+def test_command_line_offload_modes_agree(tmp_path, capsys):
+  common = ["--preset", "tiny", "--context", "300", "--new-tokens", "5", "--batch", "2",
+            "--no-progress", "--seed", "7"]
+  runs = {}
+  for mode in ("none", "stream", "host"):
+    extra = [] if mode == "none" else ["--host-layers", "2"]
+    runs[mode] = generate.main(common + ["--offload", mode, *extra, "--out",
+                                         str(tmp_path / mode)])
+    printed = capsys.readouterr().out
+    assert f"chosen: {mode}" in printed and "tokens/s" in printed
+  for mode, result in runs.items():
+    saved = json.loads((tmp_path / mode / "results.json").read_text())
+    assert saved["tokens"] == result["tokens"]
+    assert np.asarray(saved["tokens"]).shape == (2, 5)
+    assert saved["plan"]["mode"] == mode and saved["tokens_per_s"] > 0
+    assert saved["plan"]["host_layers"] == ([] if mode == "none" else [2, 3])
+    assert saved["memory"]["host_kv_bytes"] == saved["plan"]["host_kv_bytes"]
+  assert runs["stream"]["tokens"] == runs["none"]["tokens"] == runs["host"]["tokens"]
+  assert runs["stream"]["rates"]["h2d_bytes_per_s"] > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--context", "70000"], r"--context 70000 \+ --new-tokens 32 exceeds the max_context"),
+    (["--new-tokens", "1"], "--new-tokens must be at least 2"),
+    (["--context", "8", "--prompt-len", "9"], "--prompt-len 9 exceeds --context 8"),
+    (["--offload", "none", "--host-layers", "1"], "--host-layers needs --offload stream or host"),
+    (["--offload", "host", "--host-layers", "5"], r"--host-layers must be in \[0, 4\]"),
+    (["--context", "4096", "--device-memory-gb", "0.0001", "--host-memory-gb", "0.0001"],
+     "does not fit.*a context of at most"),
+])
+def test_command_line_errors_name_the_argument(argv, message):
+  with pytest.raises(SystemExit, match=message):
+    generate.main(["--preset", "tiny", "--no-progress"] + argv)

@@ -1,0 +1,254 @@
+"""fastattn_jax.offload: the planner's placement arithmetic, its choice, explanation and
+errors (against sums done here by hand), and the offloaded KV cache in both modes
+against a float64 attention over the same keys and values written from the definition."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import offload
+from fastattn_jax.offload import OffloadedKVCache, OffloadError, Rates, plan_offload
+
+# A small model: L layers of (B, S_max, K, H) float16 caches.
+L, B, CONTEXT, NEW, K, H = 8, 2, 1000, 24, 2, 16
+ITEM = 2
+FULL = 2 * B * (CONTEXT + NEW) * K * H * ITEM  # one layer, S_max positions
+PREFIX = 2 * B * CONTEXT * K * H * ITEM
+TAIL = 2 * B * NEW * K * H * ITEM
+BIG = 1 << 40
+
+#: Copies are fast, the host CPU slow: streaming should win.
+STREAM_WINS = Rates(h2d_bytes_per_s=50e9, device_bytes_per_s=3e12, device_fixed_s=2e-5,
+                    host_bytes_per_s=1e9, host_fixed_s=3e-4, device="test")
+#: Copies are slow, the host CPU fast: computing on the host should win.
+HOST_WINS = Rates(h2d_bytes_per_s=1e9, device_bytes_per_s=3e12, device_fixed_s=2e-5,
+                  host_bytes_per_s=100e9, host_fixed_s=3e-4, device="test")
+
+
+def plan(**kw):
+  args = dict(device_budget_bytes=BIG, host_budget_bytes=BIG)
+  args.update(kw)
+  return plan_offload(L, B, CONTEXT, NEW, K, H, "float16", **args)
+
+
+def test_everything_fits_on_the_device():
+  p = plan(device_budget_bytes=L * FULL, rates=STREAM_WINS)
+  assert p.mode == "none" and p.device_layers == tuple(range(L)) and p.host_layers == ()
+  assert p.device_kv_bytes == L * FULL and p.host_kv_bytes == 0 and p.device_bytes == L * FULL
+  assert p.longest_device_context == CONTEXT  # exactly at the budget
+  assert "chosen: none" in p.explain()
+  # One byte less and the cache must be offloaded.
+  assert plan(device_budget_bytes=L * FULL - 1, rates=STREAM_WINS).mode != "none"
+
+
+@pytest.mark.parametrize("budget_layers", [0.0, 2.5, 5.5, 7.99])
+def test_host_mode_places_the_fewest_layers_on_the_host(budget_layers):
+  budget = int(budget_layers * FULL)
+  p = plan(device_budget_bytes=budget, mode="host")
+  n_gpu = math.floor(budget_layers)
+  assert p.mode == "host"
+  assert p.device_layers == tuple(range(n_gpu)) and p.host_layers == tuple(range(n_gpu, L))
+  assert p.device_kv_bytes == n_gpu * FULL and p.host_kv_bytes == (L - n_gpu) * FULL
+  assert p.staging_bytes == p.tail_bytes == 0
+
+
+@pytest.mark.parametrize("budget_layers", [2.5, 5.5, 7.99])
+def test_stream_mode_budgets_two_prefixes_in_flight_and_the_tails(budget_layers):
+  budget = int(budget_layers * FULL)
+  p = plan(device_budget_bytes=budget, mode="stream")
+  # n host layers fit when (L - n) FULL + 2 PREFIX + n TAIL <= budget.
+  n = math.ceil((L * FULL + 2 * PREFIX - budget) / (FULL - TAIL))
+  assert p.mode == "stream" and len(p.host_layers) == n and p.host_layers[-1] == L - 1
+  assert p.staging_bytes == 2 * PREFIX and p.tail_bytes == n * TAIL
+  assert p.host_kv_bytes == n * PREFIX
+  assert p.device_bytes == (L - n) * FULL + 2 * PREFIX + n * TAIL <= budget
+  assert (L - n + 1) * FULL + 2 * PREFIX + (n - 1) * TAIL > budget  # n is the fewest
+
+
+def test_host_budget_limits_the_plan():
+  # The device holds 3 layers, so 5 must go to the host; host memory for 4 only.
+  with pytest.raises(OffloadError) as err:
+    plan(device_budget_bytes=3 * FULL, host_budget_bytes=4 * FULL, mode="host")
+  assert "host" in str(err.value)
+  assert plan(device_budget_bytes=3 * FULL, host_budget_bytes=5 * FULL, mode="host").host_layers \
+      == (3, 4, 5, 6, 7)
+
+
+def _expected_seconds(rates, n_stream, n_host, weights):
+  t_dev = rates.device_fixed_s + (PREFIX + weights) / rates.device_bytes_per_s
+  stream = max(L * t_dev, n_stream * PREFIX / rates.h2d_bytes_per_s)
+  t_cpu = weights / rates.device_bytes_per_s + rates.host_fixed_s + PREFIX / \
+      rates.host_bytes_per_s
+  return stream, (L - n_host) * t_dev + n_host * t_cpu
+
+
+@pytest.mark.parametrize("rates,winner", [(STREAM_WINS, "stream"), (HOST_WINS, "host")])
+def test_auto_picks_the_faster_mode_and_explains_why(rates, winner):
+  weights = 1 << 20
+  p = plan(device_budget_bytes=int(4.5 * FULL), rates=rates, weight_bytes_per_layer=weights)
+  n_stream = math.ceil((L * FULL + 2 * PREFIX - int(4.5 * FULL)) / (FULL - TAIL))
+  stream_s, host_s = _expected_seconds(rates, n_stream, 4, weights)
+  assert p.prediction("stream").seconds == pytest.approx(stream_s, rel=1e-9)
+  assert p.prediction("host").seconds == pytest.approx(host_s, rel=1e-9)
+  assert p.prediction("none").seconds is None
+  assert p.mode == winner == ("stream" if stream_s < host_s else "host")
+  text = p.explain()
+  loser = "host" if winner == "stream" else "stream"
+  assert f"chosen: {winner}" in text and f"faster than {loser!r}" in text
+  for seconds in (stream_s, host_s):
+    assert f"{seconds * 1e3:.2f} ms" in text
+  assert f"host layers: {p.host_layers[0]}-{L - 1}" in text
+  assert offload.format_bytes(p.host_kv_bytes) in text
+
+
+def test_auto_needs_rates_only_when_offloading():
+  assert plan(device_budget_bytes=L * FULL).mode == "none"
+  with pytest.raises(ValueError, match="rates"):
+    plan(device_budget_bytes=L * FULL // 2)
+
+
+def test_unavailable_mode_is_skipped_by_auto_and_refused_when_forced():
+  no_cpu = Rates(50e9, 3e12, 2e-5, None, None)
+  assert plan(device_budget_bytes=4 * FULL, rates=no_cpu).mode == "stream"
+  with pytest.raises(ValueError, match="no CPU device"):
+    plan(device_budget_bytes=4 * FULL, rates=no_cpu, mode="host")
+
+
+def test_forced_host_layers():
+  p = plan(mode="stream", host_layers=3)
+  assert p.mode == "stream" and p.host_layers == (5, 6, 7) and p.device_layers == tuple(range(5))
+  p = plan(mode="host", host_layers=0)
+  assert p.mode == "none" and "nothing is offloaded" in p.reason
+
+
+def test_error_when_nothing_fits_says_what_would():
+  device, host = int(1.5 * FULL), 2 * FULL
+  with pytest.raises(OffloadError) as err:
+    plan(device_budget_bytes=device, host_budget_bytes=host, rates=STREAM_WINS)
+  message = str(err.value)
+  # Host mode keeps one layer on the device, so 7 need host memory.
+  assert offload.format_bytes(7 * FULL) + " of host memory (mode 'host')" in message
+  # Two layers fit in host memory, so the device must hold the other six.
+  assert "a device budget of " + offload.format_bytes(6 * FULL) + " (mode 'host')" in message
+  longest = int(message.split("a context of at most ")[1].split()[0])
+  assert 0 < longest < CONTEXT
+  fits = lambda context: plan_offload(L, B, context, NEW, K, H, "float16",
+                                      device_budget_bytes=device, host_budget_bytes=host,
+                                      rates=STREAM_WINS)
+  assert fits(longest).mode in ("stream", "host")
+  with pytest.raises(OffloadError):
+    fits(longest + 1)
+
+
+def test_mode_none_that_does_not_fit_points_to_offload():
+  with pytest.raises(OffloadError, match="offloading to host memory") as err:
+    plan(device_budget_bytes=L * FULL - 1, mode="none")
+  longest = int(str(err.value).split("a context of at most ")[1].split()[0])
+  # The largest context with L * 2 * B * (context + NEW) * K * H * ITEM <= budget.
+  assert longest == (L * FULL - 1) // (L * 2 * B * K * H * ITEM) - NEW
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(mode="fast"), "mode must be one of"),
+    (dict(mode="auto", host_layers=2), "host_layers=2 needs mode"),
+    (dict(mode="host", host_layers=L + 1), r"host_layers must be in \[0, 8\]"),
+    (dict(device_budget_bytes=-1), "device_budget_bytes must be >= 0"),
+])
+def test_bad_arguments(kw, match):
+  with pytest.raises(ValueError, match=match):
+    plan(**kw)
+  with pytest.raises(ValueError, match="context must be positive, got 0"):
+    plan_offload(L, B, 0, NEW, K, H, "float16", device_budget_bytes=BIG, host_budget_bytes=BIG)
+
+
+# --- the cache ----------------------------------------------------------------------
+
+def reference_attention(q, keys, values, lengths):
+  """float64 softmax attention of the T queries at the end of each sequence (causal)."""
+  q, keys, values = (np.asarray(x, np.float64) for x in (q, keys, values))
+  Bq, T, N, Hq = q.shape
+  G = N // keys.shape[2]
+  out = np.zeros_like(q)
+  for b in range(Bq):
+    for t in range(T):
+      pos = lengths[b] - T + t
+      for n in range(N):
+        logits = keys[b, :pos + 1, n // G] @ q[b, t, n] / np.sqrt(Hq)
+        w = np.exp(logits - logits.max())
+        out[b, t, n] = (w / w.sum()) @ values[b, :pos + 1, n // G]
+  return out
+
+
+def _layer_arrays(rng, n_layers, batch, length, kv_heads, head_dim):
+  return [rng.standard_normal((2, batch, length, kv_heads, head_dim)).astype(np.float32)
+          for _ in range(n_layers)]
+
+
+def _run_cache_against_reference(rng, mode, T, device, host_device=None, atol=2e-5):
+  layers, batch, context, new, kv_heads, q_heads, head_dim = 3, 2, 37, 7, 2, 4, 16
+  p = plan_offload(layers, batch, context, new, kv_heads, head_dim, "float32",
+                   device_budget_bytes=BIG, host_budget_bytes=BIG, mode=mode, host_layers=2)
+  assert p.host_layers == (1, 2)
+  prefix = _layer_arrays(rng, layers, batch, context, kv_heads, head_dim)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def fill(layer, length):
+    padded = np.zeros((2, batch, length, kv_heads, head_dim), np.float32)
+    padded[:, :, :context] = prefix[layer]
+    return jax.device_put(padded[0], sharding), jax.device_put(padded[1], sharding)
+
+  cache = OffloadedKVCache.build(p, fill, device=device, host_device=host_device)
+  kinds = {layer: {x.sharding.memory_kind for x in (cache._host_k[layer], cache._host_v[layer])}
+           for layer in p.host_layers}
+  if mode == "stream":
+    assert all(kind == {"pinned_host"} for kind in kinds.values())
+  else:
+    assert all({x.devices().pop().platform for x in (cache._host_k[layer], cache._host_v[layer])}
+               == {"cpu"} for layer in p.host_layers)
+  assert cache.host_bytes() == p.host_kv_bytes
+  history = [[] for _ in range(layers)]
+  for _ in range(new // T):
+    lengths = cache.lengths + T
+    for layer in range(layers):
+      q = rng.standard_normal((batch, T, q_heads, head_dim)).astype(np.float32)
+      kv = rng.standard_normal((2, batch, T, kv_heads, head_dim)).astype(np.float32)
+      history[layer].append(kv)
+      out = cache.attend(layer, *(jax.device_put(x, sharding) for x in (q, kv[0], kv[1])))
+      assert out.shape == q.shape and out.devices() == {device}
+      keys = np.concatenate([prefix[layer]] + history[layer], axis=2)
+      expected = reference_attention(q, keys[0], keys[1], lengths)
+      np.testing.assert_allclose(np.asarray(out), expected, atol=atol, rtol=atol)
+    cache.advance(T)
+  np.testing.assert_array_equal(cache.lengths, context + (new // T) * T)
+  with pytest.raises(ValueError, match="KV cache overflow"):
+    cache.attend(0, *(jnp.zeros((batch, new, n, head_dim)) for n in (q_heads, kv_heads, kv_heads)))
+
+
+@pytest.mark.parametrize("mode", ["stream", "host"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_offloaded_cache_matches_float64_attention(rng, mode, T):
+  _run_cache_against_reference(rng, mode, T, jax.devices()[0])
+
+
+@pytest.mark.skipif(not tu.has_gpu(), reason="needs a GPU: streams from pinned host memory over "
+                    "PCIe and runs host layers on jax.devices('cpu')")
+@pytest.mark.parametrize("mode", ["stream", "host"])
+def test_offloaded_cache_on_gpu(rng, mode):
+  # float32 products on a GPU may round through TF32 (10-bit mantissa).
+  _run_cache_against_reference(rng, mode, 1, jax.devices("gpu")[0], jax.devices("cpu")[0],
+                               atol=3e-3)
+
+
+def test_measure_rates_gives_positive_finite_rates():
+  r = offload.measure_rates(1, 4, 2, 16, jnp.float32, contexts=(256, 1024),
+                            transfer_bytes=1 << 20, repeats=2)
+  for value in (r.h2d_bytes_per_s, r.device_bytes_per_s, r.host_bytes_per_s):
+    assert np.isfinite(value) and value > 0
+  assert r.device_fixed_s >= 0 and r.host_fixed_s >= 0
+  assert "GB/s" in r.describe()
+  with pytest.raises(ValueError, match="contexts must be two increasing"):
+    offload.measure_rates(contexts=(1024, 256))
