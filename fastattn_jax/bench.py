@@ -330,7 +330,7 @@ def environment() -> dict:
   }
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
   return tuple(int(x) for x in text.split(",") if x)
 
 
@@ -342,8 +342,8 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default="bench_results", help="output directory")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "both"),
                       help="input dtype (default: the platform grid's; GPU: both 16-bit types)")
-  parser.add_argument("--seq-lens", type=_int_list, help="T = S values, comma-separated")
-  parser.add_argument("--decode-lens", type=_int_list,
+  parser.add_argument("--seq-lens", type=int_list, help="T = S values, comma-separated")
+  parser.add_argument("--decode-lens", type=int_list,
                       help="S values of the T = 1 rows, comma-separated ('' for none)")
   parser.add_argument("--memory-budget", type=float,
                       help="GiB an unfused competitor's logits may take (default: 1/4 of memory)")

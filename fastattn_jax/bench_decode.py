@@ -31,9 +31,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
+from fastattn_jax.bench import int_list
 from fastattn_jax.decode import decode_attention
 
 
@@ -112,16 +112,12 @@ def format_table(rows, names, copy_gbs) -> str:
   return "\n".join(lines)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in text.split(",") if x)
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
       prog="python -m fastattn_jax.bench_decode",
       description="Times decode_attention (T = 1 over a KV cache) against jax.nn.")
-  parser.add_argument("--batch", type=_int_list, default=(1, 8))
-  parser.add_argument("--seq-lens", type=_int_list,
+  parser.add_argument("--batch", type=int_list, default=(1, 8))
+  parser.add_argument("--seq-lens", type=int_list,
                       default=(4096, 16384, 65536, 131072, 262144))
   parser.add_argument("--heads", type=int, default=32, help="N, query heads")
   parser.add_argument("--kv-heads", type=int, default=8, help="K, key/value heads")
