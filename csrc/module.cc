@@ -27,6 +27,10 @@ NB_MODULE(_ffi, m) {
     stages["initialize"] = Capsule(AttentionForwardCudaInitialize);
     stages["execute"] = Capsule(AttentionForwardCudaExecute);
     cuda["fastattn_attention_fwd_cuda"] = stages;
+    nb::dict decode_stages;
+    decode_stages["initialize"] = Capsule(DecodeCudaInitialize);
+    decode_stages["execute"] = Capsule(DecodeCudaExecute);
+    cuda["fastattn_decode_cuda"] = decode_stages;
     nb::dict targets;
     targets["cpu"] = cpu;
     targets["CUDA"] = cuda;
@@ -39,8 +43,8 @@ NB_MODULE(_ffi, m) {
         "Folder of the on-disk kernel cache ('' disables it).");
   m.def("compile_kernel",
         [](const std::string& arch, int path, int head_dim, int dtype, int out_dtype,
-           int general) {
-          cu::KernelVariant v{path, head_dim, dtype, out_dtype, general};
+           int general, int decode_rows) {
+          cu::KernelVariant v{path, head_dim, dtype, out_dtype, general, decode_rows};
           cu::CompiledKernel k;
           std::string error;
           bool ok;
@@ -59,7 +63,7 @@ NB_MODULE(_ffi, m) {
           return r;
         },
         nb::arg("arch"), nb::arg("path"), nb::arg("head_dim"), nb::arg("dtype"),
-        nb::arg("out_dtype"), nb::arg("general"),
+        nb::arg("out_dtype"), nb::arg("general"), nb::arg("decode_rows") = 0,
         "Compiles one kernel variant for arch ('sm_90') or reads it from the disk cache; "
         "raises RuntimeError with NVRTC's log on failure.");
 }

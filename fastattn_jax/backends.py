@@ -7,6 +7,7 @@ the ``jax.ffi.ffi_call`` that runs a fused kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -31,6 +32,9 @@ FUSED_PATHS = {
     "cpu": ("cpu", "fastattn_attention_fwd_cpu"),
     **{name: ("cuda", "fastattn_attention_fwd_cuda") for name in cuda_kernels.PATHS},
 }
+#: FFI target of the CUDA decode kernel, which every CUDA path uses for calls
+#: with few query rows per key/value head (``uses_decode_kernel``).
+DECODE_TARGET = "fastattn_decode_cuda"
 #: Paths that need no kernel of ours.
 OTHER_PATHS = ("xla", "cudnn")
 #: Largest head dim of the CUDA kernels.
@@ -175,6 +179,74 @@ def kv_splits(B: int, T: int, N: int, S: int, multiprocessors: int) -> int:
   return max(1, min(wanted, S // MIN_SPLIT_KEYS, MAX_KV_SPLITS))
 
 
+#: Decode kernel split-KV: the most resident blocks per multiprocessor the
+#: workspace is sized for (the handler uses the kernel's real occupancy),
+DECODE_MAX_BLOCKS_PER_SM = 4
+#: keys each split covers at least,
+MIN_DECODE_SPLIT_KEYS = 128
+#: and the most splits (the kernel's limit).
+MAX_DECODE_SPLITS = 128
+
+
+def decode_splits(B: int, K: int, S: int, multiprocessors: int) -> int:
+  """The most split-KV blocks per key/value head of a decode-kernel call,
+  which sizes its workspace: enough for B * K * splits blocks to fill
+  ``DECODE_MAX_BLOCKS_PER_SM`` per multiprocessor, each over at least
+  ``MIN_DECODE_SPLIT_KEYS`` keys. The FFI handler uses as many of them as
+  make one full wave of resident blocks (csrc/ffi/attention_cuda_ffi.cc)."""
+  if B * K == 0:
+    return 1
+  wanted = -(-DECODE_MAX_BLOCKS_PER_SM * multiprocessors // (B * K))
+  return max(1, min(wanted, S // MIN_DECODE_SPLIT_KEYS, MAX_DECODE_SPLITS))
+
+
+def uses_decode_kernel(q_shape, k_shape, has_extras: bool) -> bool:
+  """Whether a CUDA call runs the decode kernel: no bias, mask or query
+  lengths (``has_extras``), S > 0, and at most ``cuda_kernels.DECODE_ROWS[-1]``
+  query rows (T * N / K) per key/value head."""
+  _, T, N, _ = q_shape
+  S, K = k_shape[1], k_shape[2]
+  return not has_extras and S > 0 and K > 0 and cuda_kernels.decode_rows(T * (N // K)) > 0
+
+
+def decode_call(path: str, config: AttentionConfig, q, k, v, kv_lens=None):
+  """Runs the CUDA decode kernel (csrc/kernels/cuda/attention_decode.cu); returns (out, lse).
+
+  q (B, T, N, H), k and v (B, S, K, H) in float16 or bfloat16 as they are
+  (float32 is rounded to float16), H zero-padded to a multiple of 8. With
+  split-KV the kernel merges the splits itself, in a float32 workspace.
+  """
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  out_dtype = q.dtype
+  if q.dtype not in (jnp.float16, jnp.bfloat16):
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+  if H % 8:
+    pad = [(0, 0)] * 3 + [(0, 8 - H % 8)]
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+  Hp = q.shape[-1]
+  rows = cuda_kernels.decode_rows(T * (N // K))
+  splits = decode_splits(B, K, S, _multiprocessor_count())
+  words = B * K * splits * rows * (Hp + 1) + B * K if splits > 1 else 0
+  left, right = config.window if config.window is not None else (-1, -1)
+  call = jax.ffi.ffi_call(DECODE_TARGET, (
+      jax.ShapeDtypeStruct(q.shape, out_dtype),
+      jax.ShapeDtypeStruct((B, T, N), jnp.float32),
+      jax.ShapeDtypeStruct((words,), jnp.float32)))
+  out, lse, _ = call(
+      q, k, v, jnp.zeros((0,), jnp.int32) if kv_lens is None else kv_lens,
+      scale=np.float32(config.scale),
+      softcap=np.float32(config.softcap or 0.0),
+      is_causal=np.int64(config.is_causal),
+      end_aligned=np.int64(config.end_aligned),
+      window_left=np.int64(left),
+      window_right=np.int64(right),
+      kv_splits=np.int64(splits),
+      kernel_path=np.int64(cuda_kernels.PATHS[path]),
+  )
+  return out[..., :H], lse
+
+
 def combine_splits(out, lse):
   """Merges split-KV partials: out (splits, B, T, N, H), lse (splits, B, T, N).
 
@@ -197,16 +269,34 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
 
   Absent optional operands are passed as empty arrays, which the handler reads
   as "none"; all options travel as one attribute dictionary that the handler
-  decodes into a struct. The CUDA kernels take 16-bit q, k, v with H a
-  multiple of 32 (64 on path 90) and a float32 bias: converted and zero-padded here (zero
-  columns change neither q . k nor, once sliced off, the output). When few
-  row blocks would leave the GPU idle, the CUDA kernels split the keys
-  (``kv_splits``) and write float32 partials, merged here.
+  decodes into a struct.
+
+  On CUDA paths, calls with few query rows per key/value head (decoding) run
+  the decode kernel (``decode_call``). The other kernels take 16-bit q, k, v
+  with H a multiple of 32 (64 on path 90) and a float32 bias: converted and
+  zero-padded here (zero columns change neither q . k nor, once sliced off,
+  the output). When few row blocks would leave the GPU idle, they split the
+  keys (``kv_splits``) and write float32 partials, merged here. A single
+  query per sequence (T = 1, no window) with more than 8 heads per key/value
+  head has those heads folded into the rows of one tile.
   """
   B, T, N, H = q.shape
   empty = lambda dtype: jnp.zeros((0,), dtype)
   out_dtype = q.dtype
   kernel_path = cuda_kernels.PATHS.get(path, 0)
+  extras = bias is not None or mask is not None or q_lens is not None
+  if kernel_path and uses_decode_kernel(q.shape, k.shape, extras):
+    return decode_call(path, config, q, k, v, kv_lens)
+  G = N // k.shape[2]
+  if (kernel_path and T == 1 and G > 1 and not extras and config.window is None and
+      (config.end_aligned or not config.is_causal)):
+    # One query row per head, which sees every key: the G heads that read one
+    # key/value head become the rows of a K-head problem.
+    folded = dataclasses.replace(config, is_causal=False, end_aligned=False)
+    out, lse = fused_call(path, folded, q.reshape(B, k.shape[2], G, H).transpose(0, 2, 1, 3),
+                          k, v, kv_lens=kv_lens)
+    return (out.transpose(0, 2, 1, 3).reshape(B, 1, N, H),
+            lse.transpose(0, 2, 1).reshape(B, 1, N))
   splits = 1
   if kernel_path:
     op_dtype = cuda_kernels.operand_dtype(kernel_path, jnp.dtype(q.dtype).name)

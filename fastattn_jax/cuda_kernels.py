@@ -28,6 +28,9 @@ from fastattn_jax import _ffi
 PATHS = {"cuda_sm70": 70, "cuda_sm75": 75, "cuda_sm80": 80, "cuda_sm90": 90}
 #: Head dims the kernels are specialized for; H is padded up to the next one.
 HEAD_DIMS = tuple(range(32, 257, 32))
+#: Rows per block the decode kernel (attention_decode.cu) is built for: it
+#: serves calls with T * N / K query rows per key/value head up to the last.
+DECODE_ROWS = (1, 2, 4, 8)
 #: Kernel dtype codes (csrc/kernels/cuda/attention_common.cuh).
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
@@ -113,18 +116,36 @@ def operand_dtype(path: int, dtype: str) -> str:
   return dtype if (path >= 80 and dtype == "bfloat16") else "float16"
 
 
+def decode_path(path: int) -> int:
+  """The decode kernel build serving kernel ``path``: 80 (cp.async) from
+  path 80 on, else 75."""
+  return 80 if path >= 80 else 75
+
+
+def decode_rows(rows: int) -> int:
+  """The decode kernel's rows per block for T * N / K rows: the smallest of
+  ``DECODE_ROWS`` that holds them, or 0 when none does."""
+  return next((r for r in DECODE_ROWS if rows <= r), 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
+  """One kernel specialization. ``decode_rows`` > 0 names the decode kernel
+  (general False), in two builds: path 80 (cp.async, for the sm80 and sm90
+  paths) and path 75 (for sm70 and sm75); it reads float16 and bfloat16
+  alike on every arch."""
   path: int
   head_dim: int
   dtype: str
   out_dtype: str
   general: bool
+  decode_rows: int = 0
 
   def compile(self, arch: str) -> dict:
     """Compiles for ``arch`` ("sm_90") or reads the cache; see ``_ffi.compile_kernel``."""
     return _ffi.compile_kernel(arch, self.path, self.head_dim, DTYPE_CODES[self.dtype],
-                               DTYPE_CODES[self.out_dtype], int(self.general))
+                               DTYPE_CODES[self.out_dtype], int(self.general),
+                               self.decode_rows)
 
 
 def paths_for_arch(arch: str) -> list[int]:
@@ -136,7 +157,8 @@ def paths_for_arch(arch: str) -> list[int]:
 def shipped_variants(arch: str, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
                      general=(False, True)) -> list[Variant]:
   """The variants ``precompile`` builds for ``arch``: each path the arch runs,
-  head dim, input dtype (output in the same dtype) and feature set."""
+  head dim, input dtype (output in the same dtype) and feature set, and the
+  decode kernel for each head dim, input dtype and row count."""
   variants = []
   for path in paths_for_arch(arch):
     for dtype in dtypes:
@@ -144,6 +166,12 @@ def shipped_variants(arch: str, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat1
       for head_dim in head_dims:
         for g in general:
           variants.append(Variant(path, kernel_head_dim(head_dim, path), op, dtype, g))
+  for path in sorted({decode_path(p) for p in paths_for_arch(arch)}):
+    for dtype in dtypes:
+      op = dtype if dtype == "bfloat16" else "float16"
+      for head_dim in head_dims:
+        for rows in DECODE_ROWS:
+          variants.append(Variant(path, kernel_head_dim(head_dim), op, dtype, False, rows))
   return list(dict.fromkeys(variants))
 
 

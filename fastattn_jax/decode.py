@@ -110,14 +110,16 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   cache_v[:, :L], is_causal=...)`` for one sequence of length L, with the
   queries the last T rows.
 
-  The fused paths run split-KV (FlashDecoding: the keys of each sequence split
-  across thread blocks, partial softmaxes merged by their log-sum-exp) when
-  the batch and heads alone would leave the device idle. With T = 1 the G = N /
-  K query heads that share a key/value head are folded into the rows of one
-  tile, so each cache head is streamed once per step. Algorithm: FastAttention
-  (Lin et al., 2024) tiling with the tiling-mask, and the online softmax of
-  FlashAttention-2; split-KV after Dao et al., "Flash-Decoding for long-context
-  inference" (2023).
+  The fused paths run split-KV (Flash-Decoding: the keys of each sequence split
+  across thread blocks or CPU threads, partial softmaxes merged by their
+  log-sum-exp) when the batch and heads alone would leave the device idle. On
+  CUDA GPUs, steps with T * N / K <= 8 query rows per key/value head run a
+  dedicated decode kernel: one block holds all those rows and streams its
+  share of the cache head once, and the last block of each head merges the
+  splits in the same launch (``fastattn_jax.backends.decode_call``).
+  Algorithm: the online softmax of FlashAttention-2 over key chunks, with
+  FastAttention's (Lin et al., 2024) per-tile masks; split-KV after Dao et
+  al., "Flash-Decoding for long-context inference" (2023).
 
   Args:
     query: (B, T, N, H), float16, bfloat16, float32 (or float64, reference
@@ -152,20 +154,7 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   if config.implementation == "cudnn":
     raise ValueError("decode_attention: implementation='cudnn' is not supported; "
                      "use None, 'xla' or a fused path")
-  B, T, N, H = query.shape
-  K = dims.K
-  G = N // K
-  fold = T == 1 and G > 1 and config.window is None
-  q = query
-  if fold:
-    # One position per sequence: the G heads of a key/value head become G
-    # rows of a multi-head problem with K heads (no causal rule among them).
-    q = query.reshape(B, K, G, H).transpose(0, 2, 1, 3)
-    config = dataclasses.replace(config, is_causal=False, end_aligned=False)
-  out, lse = run_config(config, q, cache_k, cache_v, None, None, None, lengths)
-  if fold:
-    out = out.transpose(0, 2, 1, 3).reshape(B, 1, N, H)
-    lse = lse.transpose(0, 2, 1).reshape(B, 1, N)
+  out, lse = run_config(config, query, cache_k, cache_v, None, None, None, lengths)
   return (out, lse) if return_residual else out
 
 

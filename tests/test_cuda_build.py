@@ -30,8 +30,9 @@ def cache(tmp_path):
 
 def _main_variant(v: cuda_kernels.Variant, arch: str) -> bool:
   """The variants that must not spill: the path the arch picks itself, no
-  bias/mask/softcap, H <= 128."""
-  return v.path == max(cuda_kernels.paths_for_arch(arch)) and not v.general and v.head_dim <= 128
+  bias/mask/softcap, H <= 128; and every decode kernel."""
+  return v.decode_rows > 0 or (
+      v.path == max(cuda_kernels.paths_for_arch(arch)) and not v.general and v.head_dim <= 128)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -97,6 +98,20 @@ def test_unknown_arch_and_bad_variant_raise(cache):
     cuda_kernels.Variant(90, 96, "bfloat16", "bfloat16", False).compile("sm_90")
   with pytest.raises(RuntimeError, match="sm_90 .* only"):
     cuda_kernels.Variant(90, 64, "bfloat16", "bfloat16", False).compile("sm_100")
+  with pytest.raises(RuntimeError, match="decode_rows must be"):
+    cuda_kernels.Variant(75, 128, "bfloat16", "bfloat16", False, 3).compile("sm_70")
+  with pytest.raises(RuntimeError, match="path 75 or 80"):
+    cuda_kernels.Variant(70, 128, "float16", "float16", False, 4).compile("sm_70")
+
+
+def test_decode_kernel_reads_bfloat16_on_every_arch(cache):
+  """The decode kernel runs on CUDA cores: bfloat16 needs no tensor core, so
+  sm_70 and sm_75 read the cache as it is, with no conversion pass."""
+  for arch in ("sm_70", "sm_75"):
+    r = cuda_kernels.Variant(75, 128, "bfloat16", "bfloat16", False, 4).compile(arch)
+    assert r["cubin_bytes"] > 0 and precompile.spills(r["log"]) == 0, r["log"]
+  assert cuda_kernels.decode_rows(4) == 4 and cuda_kernels.decode_rows(5) == 8
+  assert cuda_kernels.decode_rows(9) == 0
 
 
 @pytest.mark.parametrize("capability, head_dim, path", [
@@ -128,6 +143,6 @@ def test_sm90_variants_are_the_wgmma_kernel(cache):
 def test_precompile_cli(cache, monkeypatch, capsys):
   monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache))
   assert precompile.main(["--arch", "sm_75", "--head-dims", "64", "--dtypes", "float16"]) == 0
-  assert "4 ready (4 compiled" in capsys.readouterr().out
+  assert "8 ready (8 compiled" in capsys.readouterr().out
   assert precompile.main(["--arch", "75", "--head-dims", "40", "--dtypes", "float16"]) == 0
-  assert "4 ready (0 compiled, 4 already cached)" in capsys.readouterr().out
+  assert "8 ready (0 compiled, 8 already cached)" in capsys.readouterr().out

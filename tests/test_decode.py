@@ -105,6 +105,67 @@ def test_long_cache_split_kv():
   _check(q, k, v, lengths, "bfloat16")
 
 
+@pytest.mark.parametrize("T,N,K,H,opts", [
+    (1, 32, 8, 128, {}),                               # Llama-3 shapes: 4 rows
+    (1, 8, 1, 40, {}),                                 # 8 rows, H not a multiple of 32
+    (2, 8, 2, 128, {}),                                # 8 rows: over 48 KB of shared memory
+    (3, 2, 2, 36, {}),                                 # H padded to a multiple of 8
+    (2, 4, 2, 256, {"logits_soft_cap": 5.0}),
+    (3, 2, 1, 64, {"local_window_size": (20, 0)}),
+    (1, 16, 1, 64, {}),                                # 16 rows: a prefill kernel, heads folded
+])
+def test_decode_shapes_and_options(T, N, K, H, opts):
+  """Row counts, head dims and options of the CUDA decode kernel (and of the
+  CPU path's decode mode), one sequence long enough for split-KV."""
+  rng = np.random.default_rng(tu.seed_of(f"dk{T}{N}{K}{H}{opts}"))
+  B, S_max = 3, 2111
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+  k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
+  lengths = jnp.array([2111, 1, 1500], jnp.int32)
+  cap = opts.pop("logits_soft_cap", None)
+  if cap is None:
+    _check(q, k, v, lengths, "bfloat16", **opts)
+    return
+  got = decode_attention(q, k, v, lengths, implementation=tu.IMPL, logits_soft_cap=cap)
+  pos = np.asarray(lengths)[:, None, None] - T + np.arange(T)[None, :, None]
+  j = np.arange(S_max)[None, None, :]
+  ref, _ = tu.reference64(q, k, v, mask=((j <= pos) & (j >= 0))[:, None], logits_soft_cap=cap)
+  assert tu.max_err(got, ref) <= 2 * tu.XLA_MAX_ERR["bfloat16"]
+
+
+def test_decode_never_reads_past_the_lengths():
+  """NaN in the cache past each length changes nothing (those keys are never
+  read), with and without split-KV."""
+  rng = np.random.default_rng(7)
+  B, S_max, N, K, H = 2, 3000, 8, 2, 64
+  q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float16)
+  k, v = _cache(rng, B, S_max, K, H, jnp.float16)
+  lengths = np.array([2900, 17], np.int32)
+  past = np.arange(S_max)[None, :, None, None] >= lengths[:, None, None, None]
+  k_nan, v_nan = (jnp.where(past, jnp.nan, x) for x in (k, v))
+  got = decode_attention(q, k_nan, v_nan, jnp.asarray(lengths), implementation=tu.IMPL)
+  want = decode_attention(q, k, v, jnp.asarray(lengths), implementation=tu.IMPL)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_decode_kernel_rules():
+  """Which CUDA calls take the decode kernel, and its split-KV factor."""
+  assert backends.uses_decode_kernel((1, 1, 32, 128), (1, 4096, 8, 128), False)
+  assert backends.uses_decode_kernel((4, 2, 8, 64), (4, 100, 2, 64), False)  # 8 rows
+  assert not backends.uses_decode_kernel((4, 3, 8, 64), (4, 100, 2, 64), False)  # 12 rows
+  assert not backends.uses_decode_kernel((1, 1, 32, 128), (1, 4096, 8, 128), True)
+  assert not backends.uses_decode_kernel((1, 1, 32, 128), (1, 0, 8, 128), False)
+  # One sequence, 8 heads: at most DECODE_MAX_BLOCKS_PER_SM blocks per multiprocessor.
+  want = -(-backends.DECODE_MAX_BLOCKS_PER_SM * 132 // 8)
+  assert backends.decode_splits(1, 8, 1 << 18, 132) == min(want, backends.MAX_DECODE_SPLITS)
+  assert backends.decode_splits(1, 8, 4096, 132) == min(
+      want, 4096 // backends.MIN_DECODE_SPLIT_KEYS)
+  assert backends.decode_splits(128, 8, 1 << 18, 132) == 1
+  assert backends.decode_splits(1, 1, 10 ** 7, 132) == backends.MAX_DECODE_SPLITS
+  assert backends.decode_splits(1, 1, 100, 132) == 1
+
+
 def test_kv_splits_rule():
   # Plenty of row blocks: no split.
   assert backends.kv_splits(8, 1024, 32, 4096, multiprocessors=132) == 1

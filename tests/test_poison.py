@@ -38,6 +38,12 @@ CASES = {
     "bf16_long_kv": dict(B=1, T=3, S=4096, N=4, K=1, H=128, dtype="bfloat16"),
     "f16_mask": dict(B=2, T=33, S=65, N=2, K=1, H=40, dtype="float16",
                      mask=True),
+    # Few rows per key/value head: the CUDA decode kernel, split-KV merged in
+    # its launch (B=1, long S), and 8 rows per block with empty key sets.
+    "decode_split_kv": dict(B=1, T=1, S=4099, N=8, K=2, H=128, dtype="bfloat16",
+                            opts=dict(key_value_seq_lengths=(3001,))),
+    "decode_rows": dict(B=3, T=2, S=700, N=4, K=1, H=64, dtype="float16",
+                        opts=dict(is_causal=True, key_value_seq_lengths=(700, 0, 1))),
 }
 
 

@@ -40,7 +40,10 @@ const Driver* GetDriver(std::string* error) {
               Load(lib, "cuModuleGetGlobal_v2", &d.cuModuleGetGlobal) &&
               Load(lib, "cuMemcpyDtoH_v2", &d.cuMemcpyDtoH) &&
               Load(lib, "cuFuncSetAttribute", &d.cuFuncSetAttribute) &&
-              Load(lib, "cuLaunchKernel", &d.cuLaunchKernel);
+              Load(lib, "cuLaunchKernel", &d.cuLaunchKernel) &&
+              Load(lib, "cuMemsetD32Async", &d.cuMemsetD32Async) &&
+              Load(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                   &d.cuOccupancyMaxActiveBlocksPerMultiprocessor);
     Load(lib, "cuTensorMapEncodeTiled", &d.cuTensorMapEncodeTiled);
     if (!ok) {
       load_error = "libcuda.so.1 lacks a driver API call fastattn_jax needs: update the driver";

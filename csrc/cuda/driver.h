@@ -38,6 +38,8 @@ struct Driver {
   CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
                              unsigned, unsigned, unsigned, CUstream, void**, void**);
+  CUresult (*cuMemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream);
+  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
   // CUDA 12 drivers and newer; null on older ones (path 90 then refuses).
   // The arguments: map, data type, rank, address, dims, byte strides of
   // dims 1.., box dims, element strides, interleave, swizzle, L2 promotion,

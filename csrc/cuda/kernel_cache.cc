@@ -46,12 +46,23 @@ const std::string* FindSource(const std::string& name) {
 }
 
 std::string SourceFile(const KernelVariant& v) {
-  return v.path == 70 ? "attention_volta.cu"
+  return v.decode_rows ? "attention_decode.cu"
+       : v.path == 70 ? "attention_volta.cu"
        : v.path == 90 ? "attention_wgmma.cu"
                       : "attention_mma16.cu";
 }
 
 std::vector<std::string> Options(const KernelVariant& v) {
+  if (v.decode_rows) {
+    return {"-std=c++17",
+            "--ptxas-options=-v",
+            "-lineinfo",
+            "-DFA_DECODE_ROWS=" + std::to_string(v.decode_rows),
+            "-DFA_PATH=" + std::to_string(v.path),
+            "-DFA_HEAD_DIM=" + std::to_string(v.head_dim),
+            "-DFA_DTYPE=" + std::to_string(v.dtype),
+            "-DFA_OUT_DTYPE=" + std::to_string(v.out_dtype)};
+  }
   return {"-std=c++17",
           "--ptxas-options=-v",
           "-lineinfo",
@@ -170,11 +181,29 @@ class SlowCompileNotice {
 
 std::string KernelVariant::Describe() const {
   static const char* names[] = {"f16", "bf16", "f32"};
+  if (decode_rows) {
+    return "decode sm" + std::to_string(path) + " rows=" + std::to_string(decode_rows) + " H=" + std::to_string(head_dim) + " " +
+           names[dtype] + "->" + names[out_dtype];
+  }
   return "sm" + std::to_string(path) + " H=" + std::to_string(head_dim) + " " +
          names[dtype] + "->" + names[out_dtype] + (general ? " general" : " plain");
 }
 
 std::string KernelVariant::Check() const {
+  if (decode_rows) {
+    if (decode_rows != 1 && decode_rows != 2 && decode_rows != 4 && decode_rows != 8) {
+      return "decode_rows must be 1, 2, 4 or 8";
+    }
+    if ((path != 75 && path != 80) || general != 0) {
+      return "the decode kernel takes path 75 or 80 and general 0";
+    }
+    if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
+      return "head_dim must be a multiple of 32 in [32, 256]";
+    }
+    if (dtype != 0 && dtype != 1) return "dtype must be 0 or 1";
+    if (out_dtype < 0 || out_dtype > 2) return "out_dtype must be 0, 1 or 2";
+    return "";
+  }
   if (path != 70 && path != 75 && path != 80 && path != 90) {
     return "path must be 70, 75, 80 or 90";
   }
@@ -253,10 +282,12 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
 const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
                                     const KernelVariant& v, std::string* error) {
   static std::mutex mu;
-  static std::map<std::tuple<CUcontext, int, int, int, int, int>, std::unique_ptr<LoadedKernel>>
+  static std::map<std::tuple<CUcontext, int, int, int, int, int, int>,
+                  std::unique_ptr<LoadedKernel>>
       loaded;
   std::lock_guard<std::mutex> lock(mu);
-  auto id = std::make_tuple(context, v.path, v.head_dim, v.dtype, v.out_dtype, v.general);
+  auto id = std::make_tuple(context, v.path, v.head_dim, v.dtype, v.out_dtype, v.general,
+                            v.decode_rows);
   if (auto it = loaded.find(id); it != loaded.end()) return it->second.get();
 
   if (CUresult rc = d.cuCtxPushCurrent(context); rc != 0) {
@@ -299,12 +330,19 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
              " bytes of shared memory per block; " + arch + " allows " +
              std::to_string(smem_optin);
     }
-    if (kernel->smem_bytes > 48 * 1024) {
+    // Needed above 48 KB of static plus dynamic shared memory (the decode
+    // kernel has both); harmless below.
+    if (kernel->smem_bytes > 0) {
       if (auto rc = d.cuFuncSetAttribute(kernel->function, kFuncAttrMaxDynamicSharedSizeBytes,
                                          kernel->smem_bytes)) {
         return DriverError(d, rc, "cuFuncSetAttribute(max dynamic shared memory)");
       }
     }
+    if (auto rc = d.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            &kernel->blocks_per_sm, kernel->function, kernel->threads, kernel->smem_bytes)) {
+      return DriverError(d, rc, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    }
+    d.cuDeviceGetAttribute(&kernel->multiprocessors, kAttrMultiprocessorCount, dev);
     return "";
   }();
   CUcontext popped;

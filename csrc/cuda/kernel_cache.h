@@ -13,13 +13,16 @@ namespace fastattn::cuda {
 // One compiled specialization; see csrc/kernels/cuda/attention_common.cuh
 // for what each option means.
 struct KernelVariant {
-  int path = 80;        // 70, 75, 80 or 90
+  int path = 80;        // 70, 75, 80 or 90; the decode kernel: 75 or 80
   int head_dim = 128;   // 32, 64, ..., 256
   int dtype = 0;        // q/k/v: 0 float16, 1 bfloat16
   int out_dtype = 0;    // 0 float16, 1 bfloat16, 2 float32
   int general = 0;      // 1: bias, mask and soft cap compiled in
+  int decode_rows = 0;  // > 0 (1, 2, 4 or 8): the decode kernel
+                        // (attention_decode.cu) for up to this many rows per
+                        // block, general 0
 
-  // "sm80 H=128 bf16->bf16 plain": for logs.
+  // "sm80 H=128 bf16->bf16 plain", "decode rows=4 H=128 bf16->bf16": for logs.
   std::string Describe() const;
   // Empty if the variant is valid, else why not.
   std::string Check() const;
@@ -49,6 +52,8 @@ struct LoadedKernel {
   int threads = 0;
   int smem_bytes = 0;
   int block_n = 0;     // Bc: keys per tile
+  int blocks_per_sm = 0;    // resident blocks per multiprocessor (occupancy)
+  int multiprocessors = 0;  // of the device
 };
 
 // Finds, or builds and loads, `variant` for the device of `context`.

@@ -21,6 +21,19 @@ struct AttentionAttrs {
   int64_t kernel_path;  // CUDA: 70, 75 or 80 (the forced or chosen path); CPU: 0
 };
 
+// The options of a CUDA decode-kernel call (fastattn_jax/backends.py: decode_call).
+struct DecodeAttrs {
+  float scale;
+  float softcap;
+  int64_t is_causal;
+  int64_t end_aligned;
+  int64_t window_left;
+  int64_t window_right;
+  int64_t kv_splits;    // the most split-KV blocks per (b, kvh), 1..128 (the
+                        // workspace's size); the handler picks the count
+  int64_t kernel_path;  // the CUDA path (70, 75, 80, 90) the call serves
+};
+
 inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {
   std::string s = "(";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
@@ -90,4 +103,13 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fastattn::AttentionAttrs,
                                       StructMember<int64_t>("end_aligned"),
                                       StructMember<int64_t>("window_left"),
                                       StructMember<int64_t>("window_right"),
+                                      StructMember<int64_t>("kernel_path"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fastattn::DecodeAttrs,
+                                      StructMember<float>("scale"),
+                                      StructMember<float>("softcap"),
+                                      StructMember<int64_t>("is_causal"),
+                                      StructMember<int64_t>("end_aligned"),
+                                      StructMember<int64_t>("window_left"),
+                                      StructMember<int64_t>("window_right"),
+                                      StructMember<int64_t>("kv_splits"),
                                       StructMember<int64_t>("kernel_path"));

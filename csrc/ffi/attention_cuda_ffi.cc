@@ -3,8 +3,9 @@
 // Two stages: "initialize" runs before each execution and outside any CUDA
 // graph capture, and finds or builds the kernel for the stream's device
 // (NVRTC compile, disk cache, module load: csrc/cuda/kernel_cache.cc);
-// "execute" only fills FaParams and launches on XLA's stream, so it is safe
-// to capture into a command buffer.
+// "execute" only fills FaParams and launches on XLA's stream (the decode
+// kernel's split counters are zeroed there first, by an async memset), so it
+// is safe to capture into a command buffer.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -18,6 +19,7 @@
 
 namespace ffi = xla::ffi;
 using fastattn::AttentionAttrs;
+using fastattn::DecodeAttrs;
 using fastattn::BroadcastStrides;
 namespace cu = fastattn::cuda;
 
@@ -106,8 +108,21 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
   return ffi::Error::Success();
 }
 
-// Checks the operands and finds the kernel for the device of `stream`,
-// building it if needed.
+// Finds the kernel `variant` for the device of `stream`, building it if needed.
+ffi::Error LoadKernel(cu::CUstream stream, const cu::KernelVariant& variant,
+                      const cu::Driver** driver, const cu::LoadedKernel** kernel) {
+  std::string error;
+  *driver = cu::GetDriver(&error);
+  if (!*driver) return ffi::Error::Internal(error);
+  cu::CUcontext context;
+  if (auto rc = (*driver)->cuStreamGetCtx(stream, &context)) {
+    return ffi::Error::Internal(cu::DriverError(**driver, rc, "cuStreamGetCtx"));
+  }
+  *kernel = cu::GetLoadedKernel(**driver, context, variant, &error);
+  return *kernel ? ffi::Error::Success() : ffi::Error::Internal(error);
+}
+
+// Checks the operands and finds the kernel for the device of `stream`.
 ffi::Error FindKernel(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
                       ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
@@ -118,15 +133,7 @@ ffi::Error FindKernel(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
       err.failure()) {
     return err;
   }
-  std::string error;
-  *driver = cu::GetDriver(&error);
-  if (!*driver) return ffi::Error::Internal(error);
-  cu::CUcontext context;
-  if (auto rc = (*driver)->cuStreamGetCtx(stream, &context)) {
-    return ffi::Error::Internal(cu::DriverError(**driver, rc, "cuStreamGetCtx"));
-  }
-  *kernel = cu::GetLoadedKernel(**driver, context, variant, &error);
-  return *kernel ? ffi::Error::Success() : ffi::Error::Internal(error);
+  return LoadKernel(stream, variant, driver, kernel);
 }
 
 // The TMA descriptors FA_PATH 90 reads q, k and v through (FaTmaMaps).
@@ -208,6 +215,149 @@ ffi::Error ExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   return ffi::Error::Success();
 }
 
+
+// --- The decode kernel (attention_decode.cu) ----------------------------------
+
+// Rows per block the decode kernel is built for: T * G rounded up to a power
+// of two; 0 when T * G > 8 (the host never sends such calls here).
+int DecodeRows(int64_t rows) {
+  for (int r : {1, 2, 4, 8}) {
+    if (rows <= r) return r;
+  }
+  return 0;
+}
+
+// Floats of the decode workspace for up to `splits` splits: partial out,
+// partial LSE, then the counters (as 32-bit words); none without a split.
+int64_t DecodeWorkspaceWords(int64_t B, int64_t K, int64_t H, int rows, int64_t splits) {
+  return splits > 1 ? B * K * splits * rows * (H + 1) + B * K : 0;
+}
+
+// Checks the operands, fills the parameters (all but the workspace pointers)
+// and picks the decode variant.
+ffi::Error PrepareDecode(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out,
+                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> workspace,
+                         const DecodeAttrs& attrs, FaParams* p, cu::KernelVariant* variant) {
+  fastattn::QkvDims d;
+  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
+      err.failure()) {
+    return err;
+  }
+  *p = FaParams{};
+  p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
+  const int64_t rows = d.K ? d.T * (d.N / d.K) : 0;
+  variant->path = attrs.kernel_path >= 80 ? 80 : 75;  // with cp.async or without
+  variant->decode_rows = DecodeRows(rows);
+  variant->head_dim = static_cast<int>((d.H + 31) / 32 * 32);
+  variant->dtype = DtypeCode(q.element_type());
+  variant->out_dtype = DtypeCode(out.element_type());
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      variant->dtype < 0 || variant->dtype > 1 || variant->out_dtype < 0) {
+    return ffi::Error::InvalidArgument(
+        "CUDA decode attention takes float16 or bfloat16 query, key and value of one dtype "
+        "and writes float16, bfloat16 or float32");
+  }
+  if (variant->decode_rows == 0 || d.H % 8 != 0 || d.H > 256 || attrs.kv_splits < 1 ||
+      attrs.kv_splits > 128) {
+    return ffi::Error::InvalidArgument(
+        "CUDA decode attention needs T * N / K <= 8, H a multiple of 8 up to 256 and "
+        "1 <= kv_splits <= 128; got query " + fastattn::DimsString(q.dimensions()) + ", key " +
+        fastattn::DimsString(k.dimensions()) + ", kv_splits " + std::to_string(attrs.kv_splits));
+  }
+  if (out.dimensions().size() != 4 ||
+      !std::equal(out.dimensions().begin(), out.dimensions().end(), q.dimensions().begin())) {
+    return ffi::Error::InvalidArgument("CUDA decode attention: out " +
+                                       fastattn::DimsString(out.dimensions()) +
+                                       " is not (B, T, N, H) = " +
+                                       fastattn::DimsString(q.dimensions()));
+  }
+  // The workspace is sized for attrs.kv_splits, the most splits the call may use.
+  const int64_t words = DecodeWorkspaceWords(d.B, d.K, d.H, variant->decode_rows, attrs.kv_splits);
+  if (static_cast<int64_t>(workspace.element_count()) != words) {
+    return ffi::Error::InvalidArgument(
+        "CUDA decode attention: the workspace holds " +
+        std::to_string(workspace.element_count()) + " floats, the call needs " +
+        std::to_string(words));
+  }
+  p->kv_splits = static_cast<int>(attrs.kv_splits);
+  if (auto err = fastattn::CheckLengths("key_value_seq_lengths", kv_lens, p->B, &p->kv_lens);
+      err.failure()) {
+    return err;
+  }
+  p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
+  p->out = out.untyped_data();
+  p->lse = lse.typed_data();
+  p->scale = attrs.scale;
+  p->softcap = attrs.softcap;
+  p->causal = attrs.is_causal != 0;
+  p->end_aligned = attrs.end_aligned != 0;
+  p->window_left = static_cast<int>(attrs.window_left);
+  p->window_right = static_cast<int>(attrs.window_right);
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeInitializeImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                                ffi::ResultBuffer<ffi::F32> workspace, DecodeAttrs attrs) {
+  FaParams p;
+  cu::KernelVariant variant;
+  if (auto err = PrepareDecode(q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p, &variant);
+      err.failure()) {
+    return err;
+  }
+  const cu::Driver* driver;
+  const cu::LoadedKernel* kernel;
+  return LoadKernel(stream, variant, &driver, &kernel);
+}
+
+ffi::Error DecodeExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                             ffi::ResultBuffer<ffi::F32> workspace, DecodeAttrs attrs) {
+  FaParams p;
+  cu::KernelVariant variant;
+  if (auto err = PrepareDecode(q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p, &variant);
+      err.failure()) {
+    return err;
+  }
+  const cu::Driver* driver;
+  const cu::LoadedKernel* kernel;
+  if (auto err = LoadKernel(stream, variant, &driver, &kernel); err.failure()) return err;
+  if (p.B == 0 || p.N == 0 || p.T == 0) return ffi::Error::Success();
+  // Split-KV: as many splits as make one full wave of resident blocks (a
+  // second, partial wave would double the time), at most the host's bound.
+  const int64_t heads = int64_t{p.B} * p.K;
+  const int64_t wave = int64_t{kernel->blocks_per_sm} * kernel->multiprocessors;
+  p.kv_splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.kv_splits, wave / heads)));
+  if (p.kv_splits > 1) {
+    const int64_t parts = heads * p.kv_splits * variant.decode_rows;
+    p.partial_out = workspace->typed_data();
+    p.partial_lse = p.partial_out + parts * p.H;
+    p.counters = reinterpret_cast<unsigned*>(p.partial_lse + parts);
+  }
+  const int64_t blocks = heads * p.kv_splits;
+  if (blocks > INT32_MAX) {
+    return ffi::Error::InvalidArgument("CUDA decode attention: B * K * kv_splits = " +
+                                       std::to_string(blocks) +
+                                       " thread blocks exceed the grid limit");
+  }
+  if (p.counters) {
+    if (auto rc = driver->cuMemsetD32Async(reinterpret_cast<cu::CUdeviceptr>(p.counters), 0,
+                                           p.B * p.K, stream)) {
+      return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuMemsetD32Async(counters)"));
+    }
+  }
+  void* args[] = {&p};
+  if (auto rc = driver->cuLaunchKernel(kernel->function, static_cast<unsigned>(blocks), 1, 1,
+                                       kernel->threads, 1, 1, kernel->smem_bytes, stream, args,
+                                       nullptr)) {
+    return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuLaunchKernel(decode)"));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define FASTATTN_CUDA_BINDING(stage)                      \
@@ -228,4 +378,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCudaInitialize, InitializeImpl,
                               FASTATTN_CUDA_BINDING(ffi::ExecutionStage::kInitialize));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCudaExecute, ExecuteImpl,
                               FASTATTN_CUDA_BINDING(ffi::ExecutionStage::kExecute),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+#define FASTATTN_DECODE_BINDING(stage)                    \
+  ffi::Ffi::Bind<stage>()                                \
+      .Ctx<ffi::PlatformStream<cu::CUstream>>()          \
+      .Arg<ffi::AnyBuffer>()         /* query */         \
+      .Arg<ffi::AnyBuffer>()         /* key */           \
+      .Arg<ffi::AnyBuffer>()         /* value */         \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths */   \
+      .Ret<ffi::AnyBuffer>()         /* out */           \
+      .Ret<ffi::Buffer<ffi::F32>>()  /* lse */           \
+      .Ret<ffi::Buffer<ffi::F32>>()  /* workspace */     \
+      .Attrs<DecodeAttrs>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeCudaInitialize, DecodeInitializeImpl,
+                              FASTATTN_DECODE_BINDING(ffi::ExecutionStage::kInitialize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeCudaExecute, DecodeExecuteImpl,
+                              FASTATTN_DECODE_BINDING(ffi::ExecutionStage::kExecute),
                               {ffi::Traits::kCmdBufferCompatible});
