@@ -51,11 +51,12 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kStages = 4;
 constexpr int kSteps = kRows <= 4 ? 4 : 2;
 #else
-// FA_PATH 75 (sm_70, sm_75): plain loads of kSteps steps into registers, all issued before
-// any is used; more rows mean more registers for q and O, and more math per
-// byte to hide the latency behind.
+// FA_PATH 75 (sm_70, sm_75): plain loads of kSteps steps into registers,
+// all issued before any is used; more rows mean more registers for q and O,
+// and more math per byte to hide the latency behind. (One row with 8 steps
+// made ptxas cap sm_75 at 96 registers and spill.)
 constexpr int kStages = 0;
-constexpr int kSteps = kRows <= 2 ? 8 : kRows == 4 ? 4 : 2;
+constexpr int kSteps = kRows == 2 ? 8 : kRows == 8 ? 2 : 4;
 #endif
 constexpr int kKeysPerIter = kWarps * kKeysPerWarp * kSteps;
 constexpr int kRingBytes = kStages * kSteps * 2 * kThreads * 16;
