@@ -25,7 +25,8 @@
 //   extern "C" __constant__ int fa_launch[4];
 //     // {block_m (Br), threads, smem bytes, block_n (Bc)}
 // and is launched with grid.x = ceil(T / block_m) * N * B * kv_splits, block.x = threads
-// and fa_launch[2] bytes of dynamic shared memory.
+// and fa_launch[2] bytes of dynamic shared memory. (attention_decode.cu, the
+// decode kernel: grid.x = B * K * kv_splits, block_m = its rows per block.)
 #pragma once
 
 #ifndef __CUDACC_RTC__
