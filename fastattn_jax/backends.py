@@ -209,6 +209,15 @@ def uses_decode_kernel(q_shape, k_shape, has_extras: bool) -> bool:
   return not has_extras and S > 0 and K > 0 and cuda_kernels.decode_rows(T * (N // K)) > 0
 
 
+def _rule_attrs(config: AttentionConfig) -> dict:
+  """The FFI attributes both CUDA targets and the CPU one share: the logit
+  transform and the index rules."""
+  left, right = config.window if config.window is not None else (-1, -1)
+  return dict(scale=np.float32(config.scale), softcap=np.float32(config.softcap or 0.0),
+              is_causal=np.int64(config.is_causal), end_aligned=np.int64(config.end_aligned),
+              window_left=np.int64(left), window_right=np.int64(right))
+
+
 def decode_call(path: str, config: AttentionConfig, q, k, v, kv_lens=None):
   """Runs the CUDA decode kernel (csrc/kernels/cuda/attention_decode.cu); returns (out, lse).
 
@@ -228,19 +237,13 @@ def decode_call(path: str, config: AttentionConfig, q, k, v, kv_lens=None):
   rows = cuda_kernels.decode_rows(T * (N // K))
   splits = decode_splits(B, K, S, _multiprocessor_count())
   words = B * K * splits * rows * (Hp + 1) + B * K if splits > 1 else 0
-  left, right = config.window if config.window is not None else (-1, -1)
   call = jax.ffi.ffi_call(DECODE_TARGET, (
       jax.ShapeDtypeStruct(q.shape, out_dtype),
       jax.ShapeDtypeStruct((B, T, N), jnp.float32),
       jax.ShapeDtypeStruct((words,), jnp.float32)))
   out, lse, _ = call(
       q, k, v, jnp.zeros((0,), jnp.int32) if kv_lens is None else kv_lens,
-      scale=np.float32(config.scale),
-      softcap=np.float32(config.softcap or 0.0),
-      is_causal=np.int64(config.is_causal),
-      end_aligned=np.int64(config.end_aligned),
-      window_left=np.int64(left),
-      window_right=np.int64(right),
+      **_rule_attrs(config),
       kv_splits=np.int64(splits),
       kernel_path=np.int64(cuda_kernels.PATHS[path]),
   )
@@ -311,7 +314,6 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
   else:
     result_types = (jax.ShapeDtypeStruct(q.shape, out_dtype),
                     jax.ShapeDtypeStruct((B, T, N), jnp.float32))
-  left, right = config.window if config.window is not None else (-1, -1)
   call = jax.ffi.ffi_call(FUSED_PATHS[path][1], result_types)
   out, lse = call(
       q, k, v,
@@ -319,12 +321,7 @@ def fused_call(path: str, config: AttentionConfig, q, k, v, bias=None,
       empty(jnp.bool_) if mask is None else mask,
       empty(jnp.int32) if q_lens is None else q_lens,
       empty(jnp.int32) if kv_lens is None else kv_lens,
-      scale=np.float32(config.scale),
-      softcap=np.float32(config.softcap or 0.0),
-      is_causal=np.int64(config.is_causal),
-      end_aligned=np.int64(config.end_aligned),
-      window_left=np.int64(left),
-      window_right=np.int64(right),
+      **_rule_attrs(config),
       kernel_path=np.int64(kernel_path),
   )
   if splits > 1:

@@ -53,24 +53,16 @@ std::string SourceFile(const KernelVariant& v) {
 }
 
 std::vector<std::string> Options(const KernelVariant& v) {
-  if (v.decode_rows) {
-    return {"-std=c++17",
-            "--ptxas-options=-v",
-            "-lineinfo",
-            "-DFA_DECODE_ROWS=" + std::to_string(v.decode_rows),
-            "-DFA_PATH=" + std::to_string(v.path),
-            "-DFA_HEAD_DIM=" + std::to_string(v.head_dim),
-            "-DFA_DTYPE=" + std::to_string(v.dtype),
-            "-DFA_OUT_DTYPE=" + std::to_string(v.out_dtype)};
-  }
-  return {"-std=c++17",
-          "--ptxas-options=-v",
-          "-lineinfo",
-          "-DFA_PATH=" + std::to_string(v.path),
-          "-DFA_HEAD_DIM=" + std::to_string(v.head_dim),
-          "-DFA_DTYPE=" + std::to_string(v.dtype),
-          "-DFA_OUT_DTYPE=" + std::to_string(v.out_dtype),
-          "-DFA_GENERAL=" + std::to_string(v.general)};
+  std::vector<std::string> options = {"-std=c++17",
+                                      "--ptxas-options=-v",
+                                      "-lineinfo",
+                                      "-DFA_PATH=" + std::to_string(v.path),
+                                      "-DFA_HEAD_DIM=" + std::to_string(v.head_dim),
+                                      "-DFA_DTYPE=" + std::to_string(v.dtype),
+                                      "-DFA_OUT_DTYPE=" + std::to_string(v.out_dtype)};
+  options.push_back(v.decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(v.decode_rows)
+                                  : "-DFA_GENERAL=" + std::to_string(v.general));
+  return options;
 }
 
 // Everything a cached module depends on; the file name is its hash and the

@@ -297,19 +297,29 @@ ffi::Error PrepareDecode(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   return ffi::Error::Success();
 }
 
+// Checks the operands and finds the decode kernel for the device of `stream`.
+ffi::Error FindDecodeKernel(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out,
+                            ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> workspace,
+                            const DecodeAttrs& attrs, FaParams* p, cu::KernelVariant* variant,
+                            const cu::Driver** driver, const cu::LoadedKernel** kernel) {
+  if (auto err = PrepareDecode(q, k, v, kv_lens, out, lse, workspace, attrs, p, variant);
+      err.failure()) {
+    return err;
+  }
+  return LoadKernel(stream, *variant, driver, kernel);
+}
+
 ffi::Error DecodeInitializeImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                 ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
                                 ffi::ResultBuffer<ffi::F32> workspace, DecodeAttrs attrs) {
   FaParams p;
   cu::KernelVariant variant;
-  if (auto err = PrepareDecode(q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p, &variant);
-      err.failure()) {
-    return err;
-  }
   const cu::Driver* driver;
   const cu::LoadedKernel* kernel;
-  return LoadKernel(stream, variant, &driver, &kernel);
+  return FindDecodeKernel(stream, q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p, &variant,
+                          &driver, &kernel);
 }
 
 ffi::Error DecodeExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -318,13 +328,13 @@ ffi::Error DecodeExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuff
                              ffi::ResultBuffer<ffi::F32> workspace, DecodeAttrs attrs) {
   FaParams p;
   cu::KernelVariant variant;
-  if (auto err = PrepareDecode(q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p, &variant);
+  const cu::Driver* driver;
+  const cu::LoadedKernel* kernel;
+  if (auto err = FindDecodeKernel(stream, q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p,
+                                  &variant, &driver, &kernel);
       err.failure()) {
     return err;
   }
-  const cu::Driver* driver;
-  const cu::LoadedKernel* kernel;
-  if (auto err = LoadKernel(stream, variant, &driver, &kernel); err.failure()) return err;
   if (p.B == 0 || p.N == 0 || p.T == 0) return ffi::Error::Success();
   // Split-KV: as many splits as make one full wave of resident blocks (a
   // second, partial wave would double the time), at most the host's bound.

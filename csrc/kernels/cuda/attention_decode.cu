@@ -95,16 +95,21 @@ __device__ __forceinline__ void load_l2(const float* ptr, float (&x)[4]) {
                : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "l"(ptr));
 }
 
-// out[at], out[at + 1] in FA_OUT_DTYPE.
-__device__ __forceinline__ void store_pair(void* out, long long at, float x0, float x1) {
+// out[at .. at + 3] in FA_OUT_DTYPE.
+__device__ __forceinline__ void store_quad(void* out, long long at, const float (&x)[4]) {
+#pragma unroll
+  for (int f = 0; f < 4; f += 2) {
 #if FA_OUT_DTYPE == 2
-  static_cast<float*>(out)[at] = x0;
-  static_cast<float*>(out)[at + 1] = x1;
+    static_cast<float*>(out)[at + f] = x[f];
+    static_cast<float*>(out)[at + f + 1] = x[f + 1];
 #elif FA_OUT_DTYPE == 1
-  *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_bf16(x0, x1);
+    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
+        fa_pack_bf16(x[f], x[f + 1]);
 #else
-  *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_f16(x0, x1);
+    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
+        fa_pack_f16(x[f], x[f + 1]);
 #endif
+  }
 }
 
 // (m, l) of two online softmaxes over disjoint keys -> the merged one; the
@@ -144,14 +149,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   const int per = (all_iters + p.kv_splits - 1) / p.kv_splits * kKeysPerIter;
   const int k0 = min(hi, lo + split * per), k1 = min(hi, k0 + per);
 
-  // Row r is query (t, g) = (r / G, r % G), head kvh * G + g.
+  // Row r is query (t, g) = (r / G, r % G), head kvh * G + g: row `row_of(r)`
+  // of the (B * T * N, H) query, out and (B * T * N) lse.
+  auto row_of = [&](int r) -> long long {
+    return (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
+  };
   float q[kRows][8];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     Chunk c{};
     if (r < rows && active) {
-      const long long at =
-          ((long long)(b * p.T + r / G) * p.N + kvh * G + r % G) * p.H + chunk * 8;
+      const long long at = row_of(r) * p.H + chunk * 8;
       c = *reinterpret_cast<const Chunk*>(static_cast<const unsigned short*>(p.q) + at);
     }
     unpack(c, q[r]);
@@ -342,10 +350,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
       for (int f = 0; f < 4; ++f) dst[f] = x[f] * inv;
       if (e == 0) p.partial_lse[part * kRows + r] = lse2;
     } else {
-      const long long row = (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
-      store_pair(p.out, row * p.H + e, x[0] * inv, x[1] * inv);
-      store_pair(p.out, row * p.H + e + 2, x[2] * inv, x[3] * inv);
-      if (e == 0) p.lse[row] = lse2 * kLn2;
+#pragma unroll
+      for (int f = 0; f < 4; ++f) x[f] *= inv;
+      store_quad(p.out, row_of(r) * p.H + e, x);
+      if (e == 0) p.lse[row_of(r)] = lse2 * kLn2;
     }
   }
   if (!split_kv) return;
@@ -374,8 +382,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     }
     const float inv = sum == 0.f ? 0.f : 1.f / sum;
     for (int s = 0; s < p.kv_splits; ++s) s_w[s][r] *= inv;
-    const long long row = (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
-    p.lse[row] = sum == 0.f ? FA_NEG_INF : (mu + fa_lg2(sum)) * kLn2;
+    p.lse[row_of(r)] = sum == 0.f ? FA_NEG_INF : (mu + fa_lg2(sum)) * kLn2;
   }
   __syncthreads();
   const float* o_parts = p.partial_out + (long long)bk * p.kv_splits * kRows * p.H;
@@ -397,8 +404,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
         }
       }
     }
-    const long long row = (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
-    store_pair(p.out, row * p.H + e, acc[0], acc[1]);
-    store_pair(p.out, row * p.H + e + 2, acc[2], acc[3]);
+    store_quad(p.out, row_of(r) * p.H + e, acc);
   }
 }
