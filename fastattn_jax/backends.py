@@ -179,9 +179,11 @@ def kv_splits(B: int, T: int, N: int, S: int, multiprocessors: int) -> int:
   return max(1, min(wanted, S // MIN_SPLIT_KEYS, MAX_KV_SPLITS))
 
 
-#: Decode kernel split-KV: the most resident blocks per multiprocessor the
-#: workspace is sized for (the handler uses the kernel's real occupancy),
-DECODE_MAX_BLOCKS_PER_SM = 4
+#: Decode kernel split-KV: the workspace holds splits for up to this many
+#: blocks per multiprocessor (the handler picks the count from the kernel's
+#: real occupancy; more blocks than one wave pay off when B * K does not
+#: divide the wave),
+DECODE_MAX_BLOCKS_PER_SM = 16
 #: keys each split covers at least,
 MIN_DECODE_SPLIT_KEYS = 128
 #: and the most splits (the kernel's limit).
@@ -192,8 +194,9 @@ def decode_splits(B: int, K: int, S: int, multiprocessors: int) -> int:
   """The most split-KV blocks per key/value head of a decode-kernel call,
   which sizes its workspace: enough for B * K * splits blocks to fill
   ``DECODE_MAX_BLOCKS_PER_SM`` per multiprocessor, each over at least
-  ``MIN_DECODE_SPLIT_KEYS`` keys. The FFI handler uses as many of them as
-  make one full wave of resident blocks (csrc/ffi/attention_cuda_ffi.cc)."""
+  ``MIN_DECODE_SPLIT_KEYS`` keys. The FFI handler picks how many of them to
+  use from the kernel's occupancy (``DecodeSplits`` in
+  csrc/ffi/attention_cuda_ffi.cc)."""
   if B * K == 0:
     return 1
   wanted = -(-DECODE_MAX_BLOCKS_PER_SM * multiprocessors // (B * K))

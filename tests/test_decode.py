@@ -161,7 +161,7 @@ def test_decode_kernel_rules():
   assert backends.decode_splits(1, 8, 1 << 18, 132) == min(want, backends.MAX_DECODE_SPLITS)
   assert backends.decode_splits(1, 8, 4096, 132) == min(
       want, 4096 // backends.MIN_DECODE_SPLIT_KEYS)
-  assert backends.decode_splits(128, 8, 1 << 18, 132) == 1
+  assert backends.decode_splits(1024, 8, 1 << 18, 132) == 1
   assert backends.decode_splits(1, 1, 10 ** 7, 132) == backends.MAX_DECODE_SPLITS
   assert backends.decode_splits(1, 1, 100, 132) == 1
 

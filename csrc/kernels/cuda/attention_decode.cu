@@ -3,19 +3,30 @@
 // a long KV cache, with split-KV and the split merge in one launch. Every
 // CUDA path (sm_70 and newer) uses it for such steps.
 //
-// The work is memory-bound (about 2 * T * G flops per byte of K and V), so it
-// runs on CUDA cores in float32 and reads float16 or bfloat16 alike; what
+// The work is memory-bound (about 2 * T * G flops per byte of K and V): what
 // matters is streaming K and V once, at full bandwidth, from enough blocks to
-// fill the GPU. Block (b, kvh, split) holds all T * G rows of its key/value
-// head and walks its share of the keys. In each warp, kLanesPerKey lanes
-// share one key, each holding a 16-byte chunk of its K and V rows; a load
-// step covers kKeysPerWarp keys per warp, and an iteration kSteps steps,
-// fetched ahead of use (FA_PATH 80: cp.async into a shared-memory ring;
-// FA_PATH 75: registers). Each key's q . k is summed over its lanes by
-// butterfly shuffles, so every lane of the key holds the logit and updates its
-// own O chunk; the online softmax (FlashAttention-2, log2 domain) rescales
-// once per kSteps steps. Lane groups, then warps (through shared memory), are
-// merged by their maxima at the end.
+// fill the GPU, with few enough instructions per key that issue never limits
+// it. Block (b, kvh, split) holds all T * G rows of its key/value head and
+// walks a contiguous share of the keys; its kWarps warps take turns over
+// them and each keeps its own online softmax (FlashAttention-2, log2 domain,
+// q . k scaled by scale * log2(e)). Two builds of that walk:
+//
+// FA_PATH 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies
+// tiles of kTileKeys keys into its own shared-memory ring with cp.async,
+// kStages - 1 tiles ahead, and runs mma.m16n8k16 on them: S = Q K^T with the
+// rows in the first 8 of the 16 A rows (the rest zero), the probabilities
+// repacked in registers as the A operand of P V. About 4 warp instructions
+// per key at H = 128, where lane-split dot products took 75.
+//
+// FA_PATH 75 (the sm_70 and sm_75 paths; sm_75 has no bfloat16 mma), CUDA
+// cores in float32: kLanesPerKey lanes share one key, each holding a 16-byte
+// chunk of its K and V rows, loaded kSteps steps ahead into registers; each
+// key's q . k is summed over its lanes by butterfly shuffles, so every lane
+// of the key holds the logit and updates its own O chunk.
+//
+// The elementwise mask runs only on a block's last keys, or when there are
+// per-row rules (causal among T > 1 rows, windows). The warps' softmaxes are
+// merged by their maxima through shared memory.
 //
 // Split-KV (Flash-Decoding): with p.kv_splits > 1 each block writes its
 // normalized rows and their LSE to p.partial_out / p.partial_lse, counts
@@ -25,12 +36,11 @@
 // key lengths) are those of attention_common.cuh.
 //
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (1, 2,
-// 4 or 8), the rows a block holds; FA_PATH is 75 (no cp.async: the sm_70
-// and sm_75 paths) or 80 (the sm_80 and sm_90 paths). FA_GENERAL does not
-// apply: any scale and the soft cap are handled at run time; bias and mask
-// are not supported (the host never sends them here). H need only be a
-// multiple of 8 up to FA_HEAD_DIM.
-#include "attention_common.cuh"
+// 4 or 8), the rows a block holds; FA_PATH 75 or 80 as above. FA_GENERAL
+// does not apply: any scale and the soft cap are handled at run time; bias
+// and mask are not supported (the host never sends them here). H need only
+// be a multiple of 8 up to FA_HEAD_DIM.
+#include "attention_m16n8.cuh"
 
 namespace {
 
@@ -39,49 +49,55 @@ constexpr int kH = FA_HEAD_DIM;
 static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8, "rows");
 static_assert(kH % 32 == 0 && kH >= 32 && kH <= 256, "head dim");
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
+#if FA_PATH >= 80
+constexpr int kWarps = kH <= 128 ? 4 : 2;
+constexpr int kTileKeys = 16;             // keys per warp per tile (one k16 step of P V)
+constexpr int kRowChunks = kChunks + 1;   // padded shared-memory row: see attention_mma16.cu
+constexpr int kTileBytes = kTileKeys * kRowChunks * 16;  // of K, and again of V
+__host__ __device__ constexpr int ring_bytes(int stages) { return kWarps * stages * 2 * kTileBytes; }
+// Shared memory a block may take, less its static arrays: with two blocks
+// per multiprocessor where 3 or 4 stages allow it (one block's prologue and
+// merge overlap the other's streaming), else one block with as many stages
+// as fit.
+#if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
+constexpr int kSmemBudget = 163 * 1024 - 8 * 1024;
+#elif __CUDA_ARCH__ >= 900
+constexpr int kSmemBudget = 227 * 1024 - 8 * 1024;
+#else
+constexpr int kSmemBudget = 99 * 1024 - 8 * 1024;  // sm_86 / sm_89
+#endif
+constexpr int kStages = 2 * ring_bytes(4) <= kSmemBudget ? 4
+                      : 2 * ring_bytes(3) <= kSmemBudget ? 3
+                      : ring_bytes(4) <= kSmemBudget     ? 4
+                      : ring_bytes(3) <= kSmemBudget     ? 3 : 2;
+static_assert(ring_bytes(kStages) <= kSmemBudget, "K/V ring does not fit");
+constexpr int kRingBytes = ring_bytes(kStages);
+constexpr int kKeysPerIter = kWarps * kTileKeys;
+#else
+constexpr int kWarps = 4;
 constexpr int kLanesPerKey = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
 constexpr int kKeysPerWarp = 32 / kLanesPerKey;
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-#if FA_PATH >= 80
-// FA_PATH 80 (sm_80 and newer): cp.async copies each lane's K and V chunks into its own
-// slots of a shared-memory ring of kStages iterations, kStages - 1 of them in
-// flight while one is computed. Each lane reads back only what it copied, so
-// no barrier is needed.
-constexpr int kStages = 4;
-constexpr int kSteps = kRows <= 4 ? 4 : 2;
-#else
-// FA_PATH 75 (sm_70, sm_75): plain loads of kSteps steps into registers,
-// all issued before any is used; more rows mean more registers for q and O,
-// and more math per byte to hide the latency behind. (One row with 8 steps
-// made ptxas cap sm_75 at 96 registers and spill.)
-constexpr int kStages = 0;
+// Plain loads of kSteps steps into registers, all issued before any is used;
+// more rows mean more registers for q and O, and more math per byte to hide
+// the latency behind. (One row with 8 steps made ptxas cap sm_75 at 96
+// registers and spill.)
 constexpr int kSteps = kRows == 2 ? 8 : kRows == 8 ? 2 : 4;
-#endif
+constexpr int kRingBytes = 0;
 constexpr int kKeysPerIter = kWarps * kKeysPerWarp * kSteps;
-constexpr int kRingBytes = kStages * kSteps * 2 * kThreads * 16;
-// Largest p.kv_splits (the host's limit; sizes the merge weights).
+#endif
+constexpr int kThreads = 32 * kWarps;
+// The warps' O rows, in the dynamic shared memory (over the ring, once the
+// walk is done).
+constexpr int kWarpRowsBytes = kWarps * kRows * kH * 4;
+constexpr int kSmemBytes = kRingBytes > kWarpRowsBytes ? kRingBytes : kWarpRowsBytes;
+// Largest p.kv_splits (the host's limit; sizes the merge weights), and the
+// splits' partial rows the merging block has in flight at once.
 constexpr int kMaxSplits = 128;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kMergeLoads = 16;
 
 struct alignas(16) Chunk {
   unsigned w[4];
 };
-
-// Eight FA_DTYPE elements to float.
-__device__ __forceinline__ void unpack(const Chunk& c, float (&f)[8]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#if FA_DTYPE == 1
-    f[2 * i] = __uint_as_float(c.w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(c.w[i] & 0xffff0000u);
-#else
-    f[2 * i] = fa_f16_to_f32(c.w[i] & 0xffffu);
-    f[2 * i + 1] = fa_f16_to_f32(c.w[i] >> 16);
-#endif
-  }
-}
 
 // Floats written by another block of this launch: read from L2, not L1.
 __device__ __forceinline__ float load_l2(const float* ptr) {
@@ -124,48 +140,188 @@ __device__ __forceinline__ void merge_stats(float& m, float& l, float m_o, float
   m = mx;
 }
 
-}  // namespace
+// What a block walks: keys [k0, k1) of key/value head kvh of batch b, for
+// rows r = (t, g) = (r / G, r % G) < rows.
+struct DecodeBlock {
+  int b, kvh, G, rows, kv_len, k0, k1;
+  bool per_row;      // rules beyond [k0, k1): causal among several rows, windows
+  float scale2;      // scale * log2(e): q . k to the log2 domain
+  float softcap2;    // softcap * log2(e) (0: none)
+  const unsigned short* k_head;  // key 0 of head kvh; keys key_stride apart
+  const unsigned short* v_head;
+  long long key_stride;
 
-extern "C" __constant__ int fa_launch[4] = {kRows, kThreads, kRingBytes, kKeysPerIter};
+  // Row r's index in the (B * T * N, H) query and out, (B * T * N) lse.
+  __device__ long long row_of(const FaParams& p, int r) const {
+    return (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
+  }
+  // Logit x of row r and key j: soft cap, then the index rules on `edge`.
+  __device__ float logit(const FaParams& p, float x, int r, int j, bool edge) const {
+    if (softcap2 > 0.f) x = softcap2 * fa_tanh(x / softcap2);
+    if (edge && !(j < k1 && (!per_row || fa_visible(p, p.T, kv_len, r / G, j)))) x = FA_NEG_INF;
+    return x;
+  }
+};
 
-extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams p) {
-  __shared__ float s_o[kWarps][kRows][kH];
-  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
-  __shared__ float s_w[kMaxSplits][kRows];
-  __shared__ int s_last;
+#if FA_PATH >= 80
+// Walks the block's keys on tensor cores (see the top of the file) and leaves
+// each warp's unnormalized O rows in s_o[warp], its row maxima and sums
+// (log2 domain) in s_m[warp] and s_l[warp].
+__device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& d,
+                                          float (*s_o)[kRows][kH], float (*s_m)[kRows],
+                                          float (*s_l)[kRows], Chunk* smem) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t4 = lane % 4;  // C fragment: row g, keys / columns 2 t4 + {0, 1}
 
-  const int G = p.N / p.K, rows = p.T * G;
-  const int split = blockIdx.x % p.kv_splits, bk = blockIdx.x / p.kv_splits;
-  const int kvh = bk % p.K, b = bk / p.K;
-  const int kv_len = fa_kv_len(p, b);
+  // Q as the A operand: row g (if < rows) in A rows 0..7, zeros in 8..15;
+  // qa[kk] = {a0, a2} of k16 step kk.
+  unsigned qa[kH / 16][2];
+  const unsigned short* q_row = static_cast<const unsigned short*>(p.q) + d.row_of(p, g) * p.H;
+#pragma unroll
+  for (int kk = 0; kk < kH / 16; ++kk) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int h = 16 * kk + 8 * half + 2 * t4;
+      qa[kk][half] = g < d.rows && h < p.H ? *reinterpret_cast<const unsigned*>(q_row + h) : 0u;
+    }
+  }
+
+  // This warp's tiles: n = 0, 1, ... are the block's tiles n * kWarps + warp.
+  const int tiles = d.k1 > d.k0 ? (d.k1 - d.k0 + kTileKeys - 1) / kTileKeys : 0;
+  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
+  const int h_chunks = p.H / 8;
+  const unsigned ring = fa_smem_u32(smem) + warp * kStages * 2 * kTileBytes;
+  auto tile_key = [&](int n) { return d.k0 + (n * kWarps + warp) * kTileKeys; };
+  // Copies tile n into ring stage n % kStages (zeros past the keys and past
+  // H), one commit group per call, empty past the last tile.
+  auto issue = [&](int n) {
+    if (n < my_tiles) {
+      const int key0 = tile_key(n);
+      const unsigned stage = ring + (n % kStages) * 2 * kTileBytes;
+#pragma unroll
+      for (int i = 0; i < kTileKeys * kChunks / 32; ++i) {
+        const int at = lane + 32 * i, key = at / kChunks, c = at % kChunks;
+        const bool valid = key0 + key < d.k1 && c < h_chunks;
+        const long long src = valid ? (key0 + key) * d.key_stride + c * 8 : 0;
+        const unsigned dst = stage + (key * kRowChunks + c) * 16;
+        fa_cp_async16(dst, d.k_head + src, valid);
+        fa_cp_async16(dst + kTileBytes, d.v_head + src, valid);
+      }
+    }
+    fa_cp_async_commit();
+  };
+#pragma unroll
+  for (int n = 0; n < kStages - 1; ++n) issue(n);
+
+  // Per-lane ldmatrix rows. K (B of Q K^T, 16 keys x 16 h per x4): matrices
+  // (keys 0-7 | 8-15) x (chunk 2 kk | 2 kk + 1), giving b0, b1 of key block 0
+  // then of block 1. V (B of P V, transposed, 16 keys x 16 columns per x4):
+  // matrices (chunk 2 j | 2 j + 1) x (keys 0-7 | 8-15), giving b0, b1 of
+  // column block 2 j then 2 j + 1.
+  const unsigned k_lane = (((lane / 16) * 8 + lane % 8) * kRowChunks + (lane / 8) % 2) * 16;
+  const unsigned v_lane = ((((lane / 8) % 2) * 8 + lane % 8) * kRowChunks + lane / 16) * 16;
+
+  float o[kH / 8][4] = {};  // row g in [0..1]; [2..3] are the zero rows 8..15
+  float m = FA_NEG_INF, l = 0.f;  // l: this lane's share of the row sum
+  for (int n = 0; n < my_tiles; ++n) {
+    issue(n + kStages - 1);
+    fa_cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const unsigned kt = ring + (n % kStages) * 2 * kTileBytes, vt = kt + kTileBytes;
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kH / 16; ++kk) {
+      unsigned b[4];
+      fa_ldsm_x4(kt + k_lane + kk * 32, b);
+      const unsigned a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+      fa_mma16(s[0], a, b[0], b[1]);
+      fa_mma16(s[1], a, b[2], b[3]);
+    }
+    const int key0 = tile_key(n);
+    const bool edge = d.per_row || key0 + kTileKeys > d.k1;
+    float x[4], mx = m;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[i] = d.logit(p, s[i / 2][i % 2] * d.scale2, g, key0 + 8 * (i / 2) + 2 * t4 + i % 2, edge);
+      mx = fmaxf(mx, x[i]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mu = mx == FA_NEG_INF ? 0.f : mx;
+    const float alpha = fa_ex2(m - mu);
+    m = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[i] = fa_ex2(x[i] - mu);
+      sum += x[i];
+    }
+    l = l * alpha + sum;
+#pragma unroll
+    for (int nt = 0; nt < kH / 8; ++nt) {
+      o[nt][0] *= alpha;
+      o[nt][1] *= alpha;
+    }
+    const unsigned a[4] = {fa_pack_in(x[0], x[1]), 0u, fa_pack_in(x[2], x[3]), 0u};
+#pragma unroll
+    for (int j = 0; j < kH / 16; ++j) {
+      unsigned b[4];
+      fa_ldsm_x4_t(vt + v_lane + j * 32, b);
+      fa_mma16(o[2 * j], a, b[0], b[1]);
+      fa_mma16(o[2 * j + 1], a, b[2], b[3]);
+    }
+    __syncwarp();  // every lane's reads of this stage before it is refilled
+  }
+  fa_cp_async_wait<0>();
+
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // s_o lies over the rings
+  if (g < kRows) {
+#pragma unroll
+    for (int nt = 0; nt < kH / 8; ++nt) {
+      s_o[warp][g][8 * nt + 2 * t4] = o[nt][0];
+      s_o[warp][g][8 * nt + 2 * t4 + 1] = o[nt][1];
+    }
+    if (t4 == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+  }
+}
+#else
+// Eight FA_DTYPE elements to float.
+__device__ __forceinline__ void unpack(const Chunk& c, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#if FA_DTYPE == 1
+    f[2 * i] = __uint_as_float(c.w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(c.w[i] & 0xffff0000u);
+#else
+    f[2 * i] = fa_f16_to_f32(c.w[i] & 0xffffu);
+    f[2 * i + 1] = fa_f16_to_f32(c.w[i] >> 16);
+#endif
+  }
+}
+
+// Walks the block's keys on CUDA cores (see the top of the file); leaves the
+// same as the FA_PATH 80 walk.
+__device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& d,
+                                          float (*s_o)[kRows][kH], float (*s_m)[kRows],
+                                          float (*s_l)[kRows], Chunk*) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = lane / kLanesPerKey, chunk = lane % kLanesPerKey;
   const bool active = chunk < kChunks && chunk * 8 < p.H;
 
-  // This split's keys: a contiguous share, in whole iterations' worth.
-  int lo, hi;
-  fa_key_range(p, b, 0, p.T, &lo, &hi);
-  const int all_iters = hi > lo ? (hi - lo + kKeysPerIter - 1) / kKeysPerIter : 0;
-  const int per = (all_iters + p.kv_splits - 1) / p.kv_splits * kKeysPerIter;
-  const int k0 = min(hi, lo + split * per), k1 = min(hi, k0 + per);
-
-  // Row r is query (t, g) = (r / G, r % G), head kvh * G + g: row `row_of(r)`
-  // of the (B * T * N, H) query, out and (B * T * N) lse.
-  auto row_of = [&](int r) -> long long {
-    return (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
-  };
   float q[kRows][8];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     Chunk c{};
-    if (r < rows && active) {
-      const long long at = row_of(r) * p.H + chunk * 8;
+    if (r < d.rows && active) {
+      const long long at = d.row_of(p, r) * p.H + chunk * 8;
       c = *reinterpret_cast<const Chunk*>(static_cast<const unsigned short*>(p.q) + at);
     }
     unpack(c, q[r]);
     // Logits in the log2 domain straight from the dot product.
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[r][e] *= p.scale * kLog2e;
+    for (int e = 0; e < 8; ++e) q[r][e] *= d.scale2;
   }
 
   float m[kRows], l[kRows], o[kRows][8];
@@ -177,64 +333,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     for (int e = 0; e < 8; ++e) o[r][e] = 0.f;
   }
 
-  const long long key_stride = (long long)p.K * p.H;
-  const long long head_at = ((long long)b * p.S * p.K + kvh) * p.H + chunk * 8;
-  const unsigned short* k_head = static_cast<const unsigned short*>(p.k) + head_at;
-  const unsigned short* v_head = static_cast<const unsigned short*>(p.v) + head_at;
-  // Rules beyond the block's key range: causal among several rows, windows.
-  const bool per_row = (p.causal && p.T > 1) || p.window_left >= 0 || p.window_right >= 0;
-  // Soft cap c on logits x: c tanh(x / c), in the log2 domain with c log2(e).
-  const float softcap2 = p.softcap * kLog2e;
-
-  const int iters = k1 > k0 ? (k1 - k0 + kKeysPerIter - 1) / kKeysPerIter : 0;
-#if FA_PATH >= 80
-  // Ring slot (stage, step u, K or V) of this lane.
-  extern __shared__ Chunk ring[];
-  auto slot_of = [&](int stage, int u, int kv) {
-    return ring + ((stage * kSteps + u) * 2 + kv) * kThreads + threadIdx.x;
-  };
-  // Copies iteration n's chunks (zeros past the keys, or past the last iteration).
-  auto issue = [&](int n) {
-    const int stage = n % kStages;
-#pragma unroll
-    for (int u = 0; u < kSteps; ++u) {
-      const int jn = k0 + n * kKeysPerIter + (u * kWarps + warp) * kKeysPerWarp + slot;
-      const bool valid = active && n < iters && jn < k1;
-      const long long at = valid ? jn * key_stride : 0;
-      fa_cp_async16(fa_smem_u32(slot_of(stage, u, 0)), k_head + at, valid);
-      fa_cp_async16(fa_smem_u32(slot_of(stage, u, 1)), v_head + at, valid);
-    }
-    fa_cp_async_commit();
-  };
-#pragma unroll
-  for (int n = 0; n < kStages - 1; ++n) issue(n);
-#endif
-
+  const unsigned short* k_lane = d.k_head + chunk * 8;
+  const unsigned short* v_lane = d.v_head + chunk * 8;
+  const int iters = d.k1 > d.k0 ? (d.k1 - d.k0 + kKeysPerIter - 1) / kKeysPerIter : 0;
   for (int n = 0; n < iters; ++n) {
-    const int it = k0 + n * kKeysPerIter;
+    const int it = d.k0 + n * kKeysPerIter;
     int j[kSteps];
     Chunk kc[kSteps], vc[kSteps];
-#if FA_PATH >= 80
-    issue(n + kStages - 1);
-    fa_cp_async_wait<kStages - 1>();
-#pragma unroll
-    for (int u = 0; u < kSteps; ++u) {
-      j[u] = it + (u * kWarps + warp) * kKeysPerWarp + slot;
-      kc[u] = *slot_of(n % kStages, u, 0);
-      vc[u] = *slot_of(n % kStages, u, 1);
-    }
-#else
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       j[u] = it + (u * kWarps + warp) * kKeysPerWarp + slot;
       kc[u] = Chunk{};
       vc[u] = Chunk{};
-      if (active && j[u] < k1) {
-        kc[u] = *reinterpret_cast<const Chunk*>(k_head + j[u] * key_stride);
-        vc[u] = *reinterpret_cast<const Chunk*>(v_head + j[u] * key_stride);
+      if (active && j[u] < d.k1) {
+        kc[u] = *reinterpret_cast<const Chunk*>(k_lane + j[u] * d.key_stride);
+        vc[u] = *reinterpret_cast<const Chunk*>(v_lane + j[u] * d.key_stride);
       }
     }
-#endif
     float x[kSteps][kRows];
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
@@ -242,10 +357,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
       unpack(kc[u], kf);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        float d = 0.f;
+        float dot = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) d = fmaf(q[r][e], kf[e], d);
-        x[u][r] = d;
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
+        x[u][r] = dot;
       }
     }
 #pragma unroll
@@ -256,19 +371,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
         for (int r = 0; r < kRows; ++r) x[u][r] += __shfl_xor_sync(0xffffffffu, x[u][r], off);
       }
     }
-    // Only the last iteration, or per-row rules, need the elementwise mask.
-    const bool edge = per_row || it + kKeysPerIter > k1;
+    const bool edge = d.per_row || it + kKeysPerIter > d.k1;
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (softcap2 > 0.f) x[u][r] = softcap2 * fa_tanh(x[u][r] / softcap2);
-        if (edge) {
-          const bool visible =
-              j[u] < k1 && (!per_row || fa_visible(p, p.T, kv_len, r / G, j[u]));
-          x[u][r] = visible ? x[u][r] : FA_NEG_INF;
-        }
-      }
+      for (int r = 0; r < kRows; ++r) x[u][r] = d.logit(p, x[u][r], r, j[u], edge);
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -297,11 +404,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     }
   }
 
-#if FA_PATH >= 80
-  fa_cp_async_wait<0>();  // the zero-filling copies past the last iteration
-#endif
-
-  // Merge the key slots of the warp, then the warps.
+  // Merge the key slots of the warp.
 #pragma unroll
   for (int off = kLanesPerKey; off < 32; off *= 2) {
 #pragma unroll
@@ -324,11 +427,51 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 #pragma unroll
     for (int r = 0; r < kRows; ++r) s_m[warp][r] = m[r], s_l[warp][r] = l[r];
   }
+}
+#endif
+
+}  // namespace
+
+extern "C" __constant__ int fa_launch[4] = {kRows, kThreads, kSmemBytes, kKeysPerIter};
+
+extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams p) {
+  extern __shared__ Chunk smem[];
+  float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
+  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  __shared__ float s_w[kMaxSplits][kRows];
+  __shared__ int s_last;
+
+  // Block (b, split, kvh), kvh fastest: the K blocks that read the same keys
+  // (each 2 H bytes of every K H-element key row) run side by side.
+  DecodeBlock d;
+  d.kvh = blockIdx.x % p.K;
+  const int split = blockIdx.x / p.K % p.kv_splits;
+  d.b = blockIdx.x / p.K / p.kv_splits;
+  const int bk = d.b * p.K + d.kvh;
+  d.G = p.N / p.K;
+  d.rows = p.T * d.G;
+  d.kv_len = fa_kv_len(p, d.b);
+  // This split's keys: a contiguous share, in whole iterations' worth.
+  int lo, hi;
+  fa_key_range(p, d.b, 0, p.T, &lo, &hi);
+  const int all_iters = hi > lo ? (hi - lo + kKeysPerIter - 1) / kKeysPerIter : 0;
+  const int per = (all_iters + p.kv_splits - 1) / p.kv_splits * kKeysPerIter;
+  d.k0 = min(hi, lo + split * per);
+  d.k1 = min(hi, d.k0 + per);
+  d.per_row = (p.causal && p.T > 1) || p.window_left >= 0 || p.window_right >= 0;
+  d.scale2 = p.scale * kFaLog2e;
+  d.softcap2 = p.softcap * kFaLog2e;
+  d.key_stride = (long long)p.K * p.H;
+  const long long head_at = ((long long)d.b * p.S * p.K + d.kvh) * p.H;
+  d.k_head = static_cast<const unsigned short*>(p.k) + head_at;
+  d.v_head = static_cast<const unsigned short*>(p.v) + head_at;
+
+  walk_keys(p, d, s_o, s_m, s_l, smem);
   __syncthreads();
 
   // The block's rows, four columns per thread: normalized O and the
   // log2-domain LSE.
-  const int quads = p.H / 4;
+  const int rows = d.rows, quads = p.H / 4;
   const bool split_kv = p.kv_splits > 1;
   const long long part = (long long)bk * p.kv_splits + split;
   for (int i = threadIdx.x; i < rows * quads; i += kThreads) {
@@ -352,8 +495,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     } else {
 #pragma unroll
       for (int f = 0; f < 4; ++f) x[f] *= inv;
-      store_quad(p.out, row_of(r) * p.H + e, x);
-      if (e == 0) p.lse[row_of(r)] = lse2 * kLn2;
+      store_quad(p.out, d.row_of(p, r) * p.H + e, x);
+      if (e == 0) p.lse[d.row_of(p, r)] = lse2 * kFaLn2;
     }
   }
   if (!split_kv) return;
@@ -365,45 +508,49 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+  // Merge weights: warp w takes rows w, w + kWarps, ..., its lanes the splits.
   const float* lse_parts = p.partial_lse + (long long)bk * p.kv_splits * kRows;
-  for (int i = threadIdx.x; i < p.kv_splits * kRows; i += kThreads) {
-    s_w[i / kRows][i % kRows] = load_l2(lse_parts + i);
-  }
-  __syncthreads();
-  if (threadIdx.x < rows) {
-    const int r = threadIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows; r += kWarps) {
     float mx = FA_NEG_INF;
-    for (int s = 0; s < p.kv_splits; ++s) mx = fmaxf(mx, s_w[s][r]);
+    for (int s = lane; s < p.kv_splits; s += 32) {
+      s_w[s][r] = load_l2(lse_parts + s * kRows + r);
+      mx = fmaxf(mx, s_w[s][r]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     const float mu = mx == FA_NEG_INF ? 0.f : mx;
     float sum = 0.f;
-    for (int s = 0; s < p.kv_splits; ++s) {
+    for (int s = lane; s < p.kv_splits; s += 32) {
       s_w[s][r] = fa_ex2(s_w[s][r] - mu);
       sum += s_w[s][r];
     }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    for (int s = 0; s < p.kv_splits; ++s) s_w[s][r] *= inv;
-    p.lse[row_of(r)] = sum == 0.f ? FA_NEG_INF : (mu + fa_lg2(sum)) * kLn2;
+    for (int s = lane; s < p.kv_splits; s += 32) s_w[s][r] *= inv;
+    if (lane == 0) p.lse[d.row_of(p, r)] = sum == 0.f ? FA_NEG_INF : (mu + fa_lg2(sum)) * kFaLn2;
   }
   __syncthreads();
   const float* o_parts = p.partial_out + (long long)bk * p.kv_splits * kRows * p.H;
   for (int i = threadIdx.x; i < rows * quads; i += kThreads) {
     const int r = i / quads, e = 4 * (i % quads);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // Eight splits' loads in flight before any is used.
-    for (int s0 = 0; s0 < p.kv_splits; s0 += 8) {
-      float x[8][4];
+    // kMergeLoads splits' loads in flight before any is used.
+    for (int s0 = 0; s0 < p.kv_splits; s0 += kMergeLoads) {
+      float x[kMergeLoads][4];
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
+      for (int s = 0; s < kMergeLoads; ++s) {
         if (s0 + s < p.kv_splits) load_l2(o_parts + ((long long)(s0 + s) * kRows + r) * p.H + e, x[s]);
       }
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
+      for (int s = 0; s < kMergeLoads; ++s) {
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
           if (s0 + s < p.kv_splits) acc[f] = fmaf(s_w[s0 + s][r], x[s][f], acc[f]);
         }
       }
     }
-    store_quad(p.out, row_of(r) * p.H + e, acc);
+    store_quad(p.out, d.row_of(p, r) * p.H + e, acc);
   }
 }

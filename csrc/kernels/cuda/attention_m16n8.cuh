@@ -1,9 +1,9 @@
-// The per-row work of the tensor-core kernels on accumulators in the
-// mma.m16n8 C-fragment layout: the tiling-mask of a boundary tile, one online
-// softmax step, and the final normalize-and-write. Shared by
-// attention_mma16.cu (mma.m16n8k16 / m16n8k8) and attention_wgmma.cu (wgmma
-// m64nN, whose accumulators each warp holds in the same layout for its 16
-// rows).
+// What the tensor-core kernels share: the ldmatrix and mma.m16n8k16 wrappers,
+// and the per-row work on accumulators in the mma.m16n8 C-fragment layout
+// (the tiling-mask of a boundary tile, one online softmax step, and the final
+// normalize-and-write). Used by attention_mma16.cu (mma.m16n8k16 / m16n8k8),
+// attention_wgmma.cu (wgmma m64nN, whose accumulators each warp holds in the
+// same layout for its 16 rows) and attention_decode.cu's FA_PATH 80 build.
 //
 // For a 16-row tile a thread (g = lane / 4, t4 = lane % 4) holds, per block
 // nt of 8 columns, c[nt][0..1] at row row0 = (tile row) + g and columns
@@ -12,6 +12,51 @@
 #pragma once
 
 #include "attention_common.cuh"
+
+// ldmatrix of four 8x8 16-bit matrices (.trans: each transposed) from the
+// shared-memory rows whose addresses lanes 8i .. 8i + 7 give, into r[i].
+__device__ __forceinline__ void fa_ldsm_x4(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void fa_ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// c += a (16x16, row) * b (16x8, col) in float32.
+__device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
+                                         unsigned b0, unsigned b1) {
+#if FA_PATH == 80
+#if FA_DTYPE == 1
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+#else
+  // The k16 fragments split into two k8 ones: (a0, a1, b0) then (a2, a3, b1).
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b0));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
+}
 
 constexpr float kFaLog2e = 1.4426950408889634f;
 constexpr float kFaLn2 = 0.6931471805599453f;

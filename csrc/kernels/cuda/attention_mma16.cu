@@ -73,50 +73,6 @@ struct alignas(16) U4 {
   unsigned x, y, z, w;
 };
 
-__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// c += a (16x16, row) * b (16x8, col) in float32.
-__device__ __forceinline__ void mma16(float (&c)[4], const unsigned (&a)[4],
-                                      unsigned b0, unsigned b1) {
-#if FA_PATH == 80
-#if FA_DTYPE == 1
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-#else
-  // The k16 fragments split into two k8 ones: (a0, a1, b0) then (a2, a3, b1).
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5}, {%6}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(b0));
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5}, {%6}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[2]), "r"(a[3]), "r"(b1));
-#endif
-}
-
-
 #if FA_PATH == 80
 template <int ROWS>
 __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
@@ -292,15 +248,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           unsigned a[kMt][4];
 #pragma unroll
           for (int mt = 0; mt < kMt; ++mt)
-            ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, a[mt]);
+            fa_ldsm_x4(sq + q_off + mt * 16 * kRowBytes + kk * 32, a[mt]);
 #pragma unroll
           for (int np = 0; np < kNs / 2; ++np) {
             unsigned bk[4];
-            ldsm_x4(sk(st) + k_off + np * 16 * kRowBytes + kk * 32, bk);
+            fa_ldsm_x4(sk(st) + k_off + np * 16 * kRowBytes + kk * 32, bk);
 #pragma unroll
             for (int mt = 0; mt < kMt; ++mt) {
-              mma16(s[mt][2 * np], a[mt], bk[0], bk[1]);
-              mma16(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+              fa_mma16(s[mt][2 * np], a[mt], bk[0], bk[1]);
+              fa_mma16(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
             }
           }
         }
@@ -339,11 +295,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int np = 0; np < kNo / 2; ++np) {
             unsigned bv[4];
-            ldsm_x4_t(sv(st) + v_off + kk * 16 * kRowBytes + np * 32, bv);
+            fa_ldsm_x4_t(sv(st) + v_off + kk * 16 * kRowBytes + np * 32, bv);
 #pragma unroll
             for (int mt = 0; mt < kMt; ++mt) {
-              mma16(o[mt][2 * np], pa[mt], bv[0], bv[1]);
-              mma16(o[mt][2 * np + 1], pa[mt], bv[2], bv[3]);
+              fa_mma16(o[mt][2 * np], pa[mt], bv[0], bv[1]);
+              fa_mma16(o[mt][2 * np + 1], pa[mt], bv[2], bv[3]);
             }
           }
         }
