@@ -13,10 +13,11 @@
 //
 // FA_PATH 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies
 // tiles of kTileKeys keys into its own shared-memory ring with cp.async,
-// kStages - 1 tiles ahead, and runs mma.m16n8k16 on them: S = Q K^T with the
-// rows in the first 8 of the 16 A rows (the rest zero), the probabilities
-// repacked in registers as the A operand of P V. About 4 warp instructions
-// per key at H = 128, where lane-split dot products took 75.
+// one tile ahead, and runs mma.m16n8k16 on them: S = Q K^T with the rows in
+// the first 8 of the 16 A rows (the rest zero), the probabilities repacked
+// in registers as the A operand of P V. About 10 warp instructions per key
+// at H = 128, where the lane-split dot products of the CUDA-core walk took
+// 75 and made it issue-bound (2.7 TB/s at best on the H100).
 //
 // FA_PATH 75 (the sm_70 and sm_75 paths; sm_75 has no bfloat16 mma), CUDA
 // cores in float32: kLanesPerKey lanes share one key, each holding a 16-byte
@@ -50,15 +51,10 @@ static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8, "rows");
 static_assert(kH % 32 == 0 && kH >= 32 && kH <= 256, "head dim");
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 #if FA_PATH >= 80
-constexpr int kWarps = kH <= 128 ? 4 : 2;
 constexpr int kTileKeys = 16;             // keys per warp per tile (one k16 step of P V)
 constexpr int kRowChunks = kChunks + 1;   // padded shared-memory row: see attention_mma16.cu
 constexpr int kTileBytes = kTileKeys * kRowChunks * 16;  // of K, and again of V
-__host__ __device__ constexpr int ring_bytes(int stages) { return kWarps * stages * 2 * kTileBytes; }
-// Shared memory a block may take, less its static arrays: with two blocks
-// per multiprocessor where 3 or 4 stages allow it (one block's prologue and
-// merge overlap the other's streaming), else one block with as many stages
-// as fit.
+// Shared memory a block may take, less its static arrays.
 #if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
 constexpr int kSmemBudget = 163 * 1024 - 8 * 1024;
 #elif __CUDA_ARCH__ >= 900
@@ -66,12 +62,15 @@ constexpr int kSmemBudget = 227 * 1024 - 8 * 1024;
 #else
 constexpr int kSmemBudget = 99 * 1024 - 8 * 1024;  // sm_86 / sm_89
 #endif
-constexpr int kStages = 2 * ring_bytes(4) <= kSmemBudget ? 4
-                      : 2 * ring_bytes(3) <= kSmemBudget ? 3
-                      : ring_bytes(4) <= kSmemBudget     ? 4
-                      : ring_bytes(3) <= kSmemBudget     ? 3 : 2;
-static_assert(ring_bytes(kStages) <= kSmemBudget, "K/V ring does not fit");
-constexpr int kRingBytes = ring_bytes(kStages);
+// Two stages (one tile in flight per warp while the other is computed) and
+// as many warps (up to 8) as shared memory allows. Measured on the H100 at
+// H = 128 (B = 1 / 8, S = 4K and 256K): 8 warps x 2 stages beat 4 warps x
+// 3, 4, 5 or 6 stages and 8 x 3, by up to 9% at S = 4K and 1-2% at 256K.
+constexpr int kStages = 2;
+__host__ __device__ constexpr int ring_bytes(int warps) { return warps * kStages * 2 * kTileBytes; }
+constexpr int kWarps = ring_bytes(8) <= kSmemBudget ? 8 : ring_bytes(4) <= kSmemBudget ? 4 : 2;
+static_assert(ring_bytes(kWarps) <= kSmemBudget, "K/V ring does not fit");
+constexpr int kRingBytes = ring_bytes(kWarps);
 constexpr int kKeysPerIter = kWarps * kTileKeys;
 #else
 constexpr int kWarps = 4;
@@ -164,6 +163,15 @@ struct DecodeBlock {
 };
 
 #if FA_PATH >= 80
+// fa_cp_async16 that also has L2 fetch the whole 256-byte block around src
+// (a key row at H = 128; the neighbouring rows belong to the blocks of the
+// other key/value heads, which run alongside): B = 8, S = 256K went from
+// 2984 to 2921 us.
+__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
 // Walks the block's keys on tensor cores (see the top of the file) and leaves
 // each warp's unnormalized O rows in s_o[warp], its row maxima and sums
 // (log2 domain) in s_m[warp] and s_l[warp].
@@ -204,8 +212,8 @@ __device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& 
         const bool valid = key0 + key < d.k1 && c < h_chunks;
         const long long src = valid ? (key0 + key) * d.key_stride + c * 8 : 0;
         const unsigned dst = stage + (key * kRowChunks + c) * 16;
-        fa_cp_async16(dst, d.k_head + src, valid);
-        fa_cp_async16(dst + kTileBytes, d.v_head + src, valid);
+        cp_async16_l2(dst, d.k_head + src, valid);
+        cp_async16_l2(dst + kTileBytes, d.v_head + src, valid);
       }
     }
     fa_cp_async_commit();
