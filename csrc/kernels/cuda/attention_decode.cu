@@ -442,7 +442,15 @@ __device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& 
 
 extern "C" __constant__ int fa_launch[4] = {kRows, kThreads, kSmemBytes, kKeysPerIter};
 
-extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams p) {
+#if FA_PATH >= 80
+// One block per multiprocessor is the design point (kWarps fills shared
+// memory); without the 1, ptxas capped H = 96 at 128 registers and spilled.
+#define FA_DECODE_BOUNDS __launch_bounds__(kThreads, 1)
+#else
+#define FA_DECODE_BOUNDS __launch_bounds__(kThreads)
+#endif
+
+extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaParams p) {
   extern __shared__ Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
