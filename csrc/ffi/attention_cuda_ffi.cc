@@ -34,18 +34,37 @@ int DtypeCode(ffi::DataType t) {
   }
 }
 
+// What both handlers fill alike: checks the q, k, v shapes into *d, and
+// sets FaParams' shapes, operand pointers and index rules (the rest zero).
+template <typename Attrs>
+ffi::Error StartParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                       ffi::Buffer<ffi::F32> lse, const Attrs& attrs, FaParams* p,
+                       fastattn::QkvDims* d) {
+  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), d);
+      err.failure()) {
+    return err;
+  }
+  *p = FaParams{};
+  p->B = d->B, p->T = d->T, p->S = d->S, p->N = d->N, p->K = d->K, p->H = d->H;
+  p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
+  p->out = out.untyped_data();
+  p->lse = lse.typed_data();
+  p->scale = attrs.scale;
+  p->softcap = attrs.softcap;
+  p->causal = attrs.is_causal != 0;
+  p->end_aligned = attrs.end_aligned != 0;
+  p->window_left = static_cast<int>(attrs.window_left);
+  p->window_right = static_cast<int>(attrs.window_right);
+  return ffi::Error::Success();
+}
+
 // Checks the operands, fills the parameters and picks the variant.
 ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                    ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
                    const AttentionAttrs& attrs, FaParams* p, cu::KernelVariant* variant) {
   fastattn::QkvDims d;
-  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
-      err.failure()) {
-    return err;
-  }
-  *p = FaParams{};
-  p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
+  if (auto err = StartParams(q, k, v, out, lse, attrs, p, &d); err.failure()) return err;
   variant->path = static_cast<int>(attrs.kernel_path);
   variant->head_dim = p->H;
   variant->dtype = DtypeCode(q.element_type());
@@ -72,9 +91,6 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
         "CUDA attention: out " + fastattn::DimsString(od) + " is neither (B, T, N, H) = " +
         fastattn::DimsString(q.dimensions()) + " nor float32 (kv_splits * B, T, N, H)");
   }
-  p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
-  p->out = out.untyped_data();
-  p->lse = lse.typed_data();
   const int64_t full[4] = {p->B, p->N, p->T, p->S};
   int64_t strides[4];
   if (bias.element_count() > 0) {
@@ -99,12 +115,6 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
       err.failure()) {
     return err;
   }
-  p->scale = attrs.scale;
-  p->softcap = attrs.softcap;
-  p->causal = attrs.is_causal != 0;
-  p->end_aligned = attrs.end_aligned != 0;
-  p->window_left = static_cast<int>(attrs.window_left);
-  p->window_right = static_cast<int>(attrs.window_right);
   return ffi::Error::Success();
 }
 
@@ -260,12 +270,7 @@ ffi::Error PrepareDecode(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> workspace,
                          const DecodeAttrs& attrs, FaParams* p, cu::KernelVariant* variant) {
   fastattn::QkvDims d;
-  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
-      err.failure()) {
-    return err;
-  }
-  *p = FaParams{};
-  p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
+  if (auto err = StartParams(q, k, v, out, lse, attrs, p, &d); err.failure()) return err;
   const int64_t rows = d.K ? d.T * (d.N / d.K) : 0;
   variant->path = attrs.kernel_path >= 80 ? 80 : 75;  // with cp.async or without
   variant->decode_rows = DecodeRows(rows);
@@ -305,15 +310,6 @@ ffi::Error PrepareDecode(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
       err.failure()) {
     return err;
   }
-  p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
-  p->out = out.untyped_data();
-  p->lse = lse.typed_data();
-  p->scale = attrs.scale;
-  p->softcap = attrs.softcap;
-  p->causal = attrs.is_causal != 0;
-  p->end_aligned = attrs.end_aligned != 0;
-  p->window_left = static_cast<int>(attrs.window_left);
-  p->window_right = static_cast<int>(attrs.window_right);
   return ffi::Error::Success();
 }
 
