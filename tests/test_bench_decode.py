@@ -1,0 +1,41 @@
+"""The decode benchmark's harness (``fastattn_jax.bench_decode``): the calls
+take turns over the K/V sets, in order, and a case runs end to end."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import bench_decode
+
+
+def test_kv_sets_reach_the_footprint():
+  assert bench_decode.kv_sets(16 << 20, 256 << 20) == 16
+  assert bench_decode.kv_sets(100 << 20, 256 << 20) == 3
+  assert bench_decode.kv_sets(512 << 20, 256 << 20) == 1
+
+
+def test_loop_takes_turns_over_the_sets():
+  """Call i reads set i % sets, each call's output is the next one's query."""
+
+  def attention(x, k, v, lengths):
+    return x * 2 + k[0] + 10 * v[0] + lengths[0]
+
+  ks = tuple(jnp.full((1,), float(i)) for i in range(3))
+  vs = tuple(jnp.full((1,), float(10 + i)) for i in range(3))
+  lengths = jnp.array([1000.0])
+  got = bench_decode._loop(attention, 6)(jnp.zeros((1,)), ks, vs, lengths)
+  want = 0.0
+  for i in range(6):
+    want = want * 2 + i % 3 + 10 * (10 + i % 3) + 1000
+  np.testing.assert_allclose(np.asarray(got), [want])
+
+
+def test_run_case_on_the_host():
+  comps = bench_decode.competitors("cpu")
+  row = bench_decode.run_case(B=1, S=256, N=4, K=2, H=32, dtype=jnp.dtype(jnp.float32),
+                              comps=comps, calls=4, repeats=1, footprint_bytes=1 << 20)
+  assert row["kv_bytes"] == 2 * 256 * 2 * 32 * 4
+  assert row["kv_sets"] == 8
+  for name in comps:
+    assert row[name]["us"] > 0 and row[name]["GB/s"] > 0, row[name]
+  table = bench_decode.format_table([row], list(comps), copy_gbs=1.0)
+  assert "| 1 | 256 |" in table
