@@ -89,9 +89,7 @@ constexpr int kThreads = 32 * kWarps;
 // walk is done).
 constexpr int kWarpRowsBytes = kWarps * kRows * kH * 4;
 constexpr int kSmemBytes = kRingBytes > kWarpRowsBytes ? kRingBytes : kWarpRowsBytes;
-// Largest p.kv_splits (the host's limit; sizes the merge weights), and the
-// splits' partial rows the merging block has in flight at once.
-constexpr int kMaxSplits = 128;
+// The splits' partial rows the merging block has in flight at once.
 constexpr int kMergeLoads = 16;
 
 struct alignas(16) Chunk {
@@ -454,7 +452,6 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaParams p) {
   extern __shared__ Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
-  __shared__ float s_w[kMaxSplits][kRows];
   __shared__ int s_last;
 
   // Block (b, split, kvh), kvh fastest: the K blocks that read the same keys
@@ -524,49 +521,48 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaParams p) {
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  // Merge weights: warp w takes rows w, w + kWarps, ..., its lanes the splits.
+  // Merge the splits' rows by their LSE, four columns per thread, as an
+  // online softmax over the splits: each split's LSE is loaded with its O
+  // quad (one round trip to L2 per kMergeLoads splits, not one for the
+  // weights and another for O).
   const float* lse_parts = p.partial_lse + (long long)bk * p.kv_splits * kRows;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < rows; r += kWarps) {
-    float mx = FA_NEG_INF;
-    for (int s = lane; s < p.kv_splits; s += 32) {
-      s_w[s][r] = load_l2(lse_parts + s * kRows + r);
-      mx = fmaxf(mx, s_w[s][r]);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float mu = mx == FA_NEG_INF ? 0.f : mx;
-    float sum = 0.f;
-    for (int s = lane; s < p.kv_splits; s += 32) {
-      s_w[s][r] = fa_ex2(s_w[s][r] - mu);
-      sum += s_w[s][r];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    for (int s = lane; s < p.kv_splits; s += 32) s_w[s][r] *= inv;
-    if (lane == 0) p.lse[d.row_of(p, r)] = sum == 0.f ? FA_NEG_INF : (mu + fa_lg2(sum)) * kFaLn2;
-  }
-  __syncthreads();
   const float* o_parts = p.partial_out + (long long)bk * p.kv_splits * kRows * p.H;
   for (int i = threadIdx.x; i < rows * quads; i += kThreads) {
     const int r = i / quads, e = 4 * (i % quads);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // kMergeLoads splits' loads in flight before any is used.
+    float mx = FA_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s0 = 0; s0 < p.kv_splits; s0 += kMergeLoads) {
-      float x[kMergeLoads][4];
+      float lse2[kMergeLoads], x[kMergeLoads][4];
 #pragma unroll
       for (int s = 0; s < kMergeLoads; ++s) {
-        if (s0 + s < p.kv_splits) load_l2(o_parts + ((long long)(s0 + s) * kRows + r) * p.H + e, x[s]);
-      }
-#pragma unroll
-      for (int s = 0; s < kMergeLoads; ++s) {
-#pragma unroll
-        for (int f = 0; f < 4; ++f) {
-          if (s0 + s < p.kv_splits) acc[f] = fmaf(s_w[s0 + s][r], x[s][f], acc[f]);
+        lse2[s] = FA_NEG_INF;
+        if (s0 + s < p.kv_splits) {
+          lse2[s] = load_l2(lse_parts + (s0 + s) * kRows + r);
+          load_l2(o_parts + ((long long)(s0 + s) * kRows + r) * p.H + e, x[s]);
         }
       }
+      float m_new = mx;
+#pragma unroll
+      for (int s = 0; s < kMergeLoads; ++s) m_new = fmaxf(m_new, lse2[s]);
+      const float mu = m_new == FA_NEG_INF ? 0.f : m_new;  // all empty: weights 0
+      const float alpha = fa_ex2(mx - mu);
+      sum *= alpha;
+#pragma unroll
+      for (int f = 0; f < 4; ++f) acc[f] *= alpha;
+#pragma unroll
+      for (int s = 0; s < kMergeLoads; ++s) {
+        if (s0 + s < p.kv_splits) {
+          const float w = fa_ex2(lse2[s] - mu);
+          sum += w;
+#pragma unroll
+          for (int f = 0; f < 4; ++f) acc[f] = fmaf(w, x[s][f], acc[f]);
+        }
+      }
+      mx = m_new;
     }
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+#pragma unroll
+    for (int f = 0; f < 4; ++f) acc[f] *= inv;
     store_quad(p.out, d.row_of(p, r) * p.H + e, acc);
+    if (e == 0) p.lse[d.row_of(p, r)] = sum == 0.f ? FA_NEG_INF : (mx + fa_lg2(sum)) * kFaLn2;
   }
 }
