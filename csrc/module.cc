@@ -28,6 +28,7 @@ NB_MODULE(_ffi, m) {
     stages["execute"] = Capsule(AttentionForwardCudaExecute);
     cuda["fastattn_attention_fwd_cuda"] = stages;
     nb::dict decode_stages;
+    decode_stages["instantiate"] = Capsule(DecodeCudaInstantiate);
     decode_stages["initialize"] = Capsule(DecodeCudaInitialize);
     decode_stages["execute"] = Capsule(DecodeCudaExecute);
     cuda["fastattn_decode_cuda"] = decode_stages;
@@ -36,6 +37,15 @@ NB_MODULE(_ffi, m) {
     targets["CUDA"] = cuda;
     return targets;
   }, "FFI targets by platform: {platform: {name: capsule or {stage: capsule}}}.");
+
+  m.def("types", []() {
+    nb::dict registration, cuda, types;
+    registration["type_id"] = nb::capsule(DecodeCountersTypeId());
+    registration["type_info"] = nb::capsule(const_cast<XLA_FFI_TypeInfo*>(DecodeCountersTypeInfo()));
+    cuda["fastattn_decode_counters"] = registration;
+    types["CUDA"] = cuda;
+    return types;
+  }, "FFI state types by platform: {platform: {name: {'type_id': capsule, 'type_info': capsule}}}.");
 
   m.def("set_nvrtc_candidates", &cu::SetNvrtcCandidates, nb::arg("paths"),
         "libnvrtc paths or sonames to try, in order.");

@@ -40,6 +40,9 @@ OTHER_PATHS = ("xla", "cudnn")
 #: Largest head dim of the CUDA kernels.
 CUDA_MAX_HEAD_DIM = cuda_kernels.HEAD_DIMS[-1]
 
+for _platform, _types in _ffi.types().items():
+  for _name, _registration in _types.items():
+    jax.ffi.register_ffi_type(_name, _registration, platform=_platform)
 for _platform, _targets in _ffi.registrations().items():
   for _name, _handler in _targets.items():
     jax.ffi.register_ffi_target(_name, _handler, platform=_platform)
@@ -239,7 +242,7 @@ def decode_call(path: str, config: AttentionConfig, q, k, v, kv_lens=None):
   Hp = q.shape[-1]
   rows = cuda_kernels.decode_rows(T * (N // K))
   splits = decode_splits(B, K, S, _multiprocessor_count())
-  words = B * K * splits * rows * (Hp + 1) + B * K if splits > 1 else 0
+  words = B * K * splits * rows * (Hp + 1) if splits > 1 else 0
   call = jax.ffi.ffi_call(DECODE_TARGET, (
       jax.ShapeDtypeStruct(q.shape, out_dtype),
       jax.ShapeDtypeStruct((B, T, N), jnp.float32),

@@ -24,11 +24,12 @@ def _cache(rng, B, S_max, K, H, dtype):
   return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
 
 
-def _check(q, k, v, lengths, dtype, **opts):
-  """The path under test against the float64 reference, by the suite's
-  acceptance rule (the xla path on inputs rounded as the path rounds them)."""
-  fast, fast_lse = decode_attention(q, k, v, lengths, implementation=tu.IMPL,
-                                    return_residual=True, **opts)
+def _check(q, k, v, lengths, dtype, got=None, **opts):
+  """The path under test (or its result `got`, (out, lse)) against the
+  float64 reference, by the suite's acceptance rule (the xla path on inputs
+  rounded as the path rounds them)."""
+  fast, fast_lse = got or decode_attention(q, k, v, lengths, implementation=tu.IMPL,
+                                           return_residual=True, **opts)
   computed = tu.computed_dtype(tu.IMPL, dtype)
   xla, xla_lse = decode_attention(*(x.astype(tu.DTYPES[computed]) for x in (q, k, v)), lengths,
                                   implementation="xla", return_residual=True, **opts)
@@ -103,6 +104,42 @@ def test_long_cache_split_kv():
   lengths = jnp.array([4777], jnp.int32)
   assert backends.kv_splits(B, 4, K, S_max, multiprocessors=132) > 1
   _check(q, k, v, lengths, "bfloat16")
+
+
+def test_split_kv_calls_in_a_row():
+  """Split-KV calls again and again: five from one call site in a jitted loop,
+  each with its own queries and lengths, a second site in the same program,
+  and the whole program run three times. On CUDA this checks the decode
+  kernel's split counters (the call site's state, zeroed once and reset by
+  each launch's merging blocks) at every launch: a counter left over would
+  leave a head unmerged, with the output of another call or of nothing."""
+  rng = np.random.default_rng(12)
+  B, S_max, N, K, H, calls = 2, 4096, 8, 2, 64, 5
+  k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
+  qs = jnp.asarray(rng.standard_normal((calls, B, 1, N, H)), jnp.bfloat16)
+  lengths = jnp.asarray([[4096, 2900], [17, 4000], [3333, 1], [4095, 4096], [700, 2048]],
+                        jnp.int32)
+  assert backends.decode_splits(B, K, S_max, multiprocessors=132) > 1
+
+  @jax.jit
+  def run(qs, lengths):
+    def body(i, acc):
+      out, lse = decode_attention(qs[i], k, v, lengths[i], implementation=tu.IMPL,
+                                  return_residual=True)
+      return acc[0].at[i].set(out), acc[1].at[i].set(lse)
+
+    acc = (jnp.zeros_like(qs), jnp.zeros((calls, B, 1, N), jnp.float32))
+    outs, lses = jax.lax.fori_loop(0, calls, body, acc)
+    other = decode_attention(qs[0], k[:, :3000], v[:, :3000], jnp.minimum(lengths[1], 3000),
+                             implementation=tu.IMPL, return_residual=True)
+    return outs, lses, other
+
+  for _ in range(3):
+    outs, lses, other = run(qs, lengths)
+    for i in range(calls):
+      _check(qs[i], k, v, lengths[i], "bfloat16", got=(outs[i], lses[i]))
+    _check(qs[0], k[:, :3000], v[:, :3000], jnp.minimum(lengths[1], 3000), "bfloat16",
+           got=other)
 
 
 @pytest.mark.parametrize("T,N,K,H,opts", [

@@ -42,6 +42,8 @@ const Driver* GetDriver(std::string* error) {
               Load(lib, "cuFuncSetAttribute", &d.cuFuncSetAttribute) &&
               Load(lib, "cuLaunchKernel", &d.cuLaunchKernel) &&
               Load(lib, "cuMemsetD32Async", &d.cuMemsetD32Async) &&
+              Load(lib, "cuMemAlloc_v2", &d.cuMemAlloc) &&
+              Load(lib, "cuMemFree_v2", &d.cuMemFree) &&
               Load(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
                    &d.cuOccupancyMaxActiveBlocksPerMultiprocessor);
     Load(lib, "cuTensorMapEncodeTiled", &d.cuTensorMapEncodeTiled);

@@ -3,13 +3,16 @@
 // Two stages: "initialize" runs before each execution and outside any CUDA
 // graph capture, and finds or builds the kernel for the stream's device
 // (NVRTC compile, disk cache, module load: csrc/cuda/kernel_cache.cc);
-// "execute" only fills FaParams and launches on XLA's stream (the decode
-// kernel's split counters are zeroed there first, by an async memset), so it
-// is safe to capture into a command buffer.
+// "execute" only fills FaParams and launches on XLA's stream, so it is safe
+// to capture into a command buffer. The decode target has a third stage,
+// "instantiate", which gives each call site its split counters (state that
+// outlives the calls, see DecodeCounters).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda/driver.h"
 #include "cuda/kernel_cache.h"
@@ -238,9 +241,9 @@ int DecodeRows(int64_t rows) {
 }
 
 // Floats of the decode workspace for up to `splits` splits: partial out,
-// partial LSE, then the counters (as 32-bit words); none without a split.
+// then partial LSE; none without a split.
 int64_t DecodeWorkspaceWords(int64_t B, int64_t K, int64_t H, int rows, int64_t splits) {
-  return splits > 1 ? B * K * splits * rows * (H + 1) + B * K : 0;
+  return splits > 1 ? B * K * splits * rows * (H + 1) : 0;
 }
 
 // Split-KV: the number of splits, at most `most` (the workspace's bound), for
@@ -261,6 +264,93 @@ int DecodeSplits(int64_t heads, int64_t S, int64_t most, int64_t wave) {
     if (cost < best_cost) best = static_cast<int>(s), best_cost = cost;
   }
   return best;
+}
+
+}  // namespace
+
+// The split-KV counters of one decode call site (one HLO instruction): B * K
+// words per CUDA context, allocated and zeroed by the "initialize" stage the
+// first time the site runs on that context. The kernel's last block of each
+// (b, kvh) sets its word back to 0, so the counters are zero at every launch
+// without a memset node before each one. Made by the "instantiate" stage and
+// freed with the executable; launches of one site on one context are ordered
+// on XLA's stream, so they never share the words at the same time.
+struct DecodeCounters {
+  static ffi::TypeId id;
+  struct Slab {
+    cu::CUcontext context;
+    cu::CUdeviceptr words;
+    int64_t count;
+  };
+  std::mutex mu;
+  std::vector<Slab> slabs;
+
+  ~DecodeCounters() {
+    std::string error;
+    const cu::Driver* d = cu::GetDriver(&error);
+    if (!d) return;
+    for (const Slab& s : slabs) {
+      if (d->cuCtxPushCurrent(s.context) != 0) continue;  // context gone, and the memory with it
+      d->cuMemFree(s.words);
+      cu::CUcontext popped;
+      d->cuCtxPopCurrent(&popped);
+    }
+  }
+};
+
+ffi::TypeId DecodeCounters::id = XLA_FFI_UNKNOWN_TYPE_ID;
+
+XLA_FFI_TypeId* DecodeCountersTypeId() { return &DecodeCounters::id; }
+
+const XLA_FFI_TypeInfo* DecodeCountersTypeInfo() {
+  static const XLA_FFI_TypeInfo info = {XLA_FFI_TypeInfo_STRUCT_SIZE, nullptr,
+                                        [](void* state) { delete static_cast<DecodeCounters*>(state); }};
+  return &info;
+}
+
+namespace {
+
+// The `count` counters of `site` on the context of `stream`: allocated and
+// zeroed (in stream order) if `allocate` and not there yet.
+ffi::Error SiteCounters(const cu::Driver& d, cu::CUstream stream, DecodeCounters* site,
+                        int64_t count, bool allocate, unsigned** counters) {
+  cu::CUcontext context;
+  if (auto rc = d.cuStreamGetCtx(stream, &context)) {
+    return ffi::Error::Internal(cu::DriverError(d, rc, "cuStreamGetCtx"));
+  }
+  std::lock_guard<std::mutex> lock(site->mu);
+  for (const DecodeCounters::Slab& s : site->slabs) {
+    if (s.context != context) continue;
+    if (s.count < count) {  // a site's shapes are fixed: never expected
+      return ffi::Error::Internal("CUDA decode attention: the call site's split counters hold " +
+                                  std::to_string(s.count) + " words, the call needs " +
+                                  std::to_string(count));
+    }
+    *counters = reinterpret_cast<unsigned*>(s.words);
+    return ffi::Error::Success();
+  }
+  if (!allocate) {
+    return ffi::Error::Internal("CUDA decode attention: no split counters of " +
+                                std::to_string(count) +
+                                " words for this context; the initialize stage makes them");
+  }
+  DecodeCounters::Slab slab{context, 0, count};
+  if (auto rc = d.cuCtxPushCurrent(context)) {
+    return ffi::Error::Internal(cu::DriverError(d, rc, "cuCtxPushCurrent"));
+  }
+  std::string error;
+  if (auto rc = d.cuMemAlloc(&slab.words, count * sizeof(unsigned))) {
+    error = cu::DriverError(d, rc, "cuMemAlloc(split counters)");
+  } else if (auto rc = d.cuMemsetD32Async(slab.words, 0, count, stream)) {
+    error = cu::DriverError(d, rc, "cuMemsetD32Async(split counters)");
+    d.cuMemFree(slab.words);
+  }
+  cu::CUcontext popped;
+  d.cuCtxPopCurrent(&popped);
+  if (!error.empty()) return ffi::Error::Internal(error);
+  site->slabs.push_back(slab);
+  *counters = reinterpret_cast<unsigned*>(slab.words);
+  return ffi::Error::Success();
 }
 
 // Checks the operands, fills the parameters (all but the workspace pointers)
@@ -326,20 +416,31 @@ ffi::Error FindDecodeKernel(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return LoadKernel(stream, *variant, driver, kernel);
 }
 
-ffi::Error DecodeInitializeImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+ffi::ErrorOr<std::unique_ptr<DecodeCounters>> DecodeInstantiateImpl(DecodeAttrs) {
+  return std::make_unique<DecodeCounters>();
+}
+
+ffi::Error DecodeInitializeImpl(cu::CUstream stream, DecodeCounters* site, ffi::AnyBuffer q,
+                                ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::F32> lse,
                                 ffi::ResultBuffer<ffi::F32> workspace, DecodeAttrs attrs) {
   FaParams p;
   cu::KernelVariant variant;
   const cu::Driver* driver;
   const cu::LoadedKernel* kernel;
-  return FindDecodeKernel(stream, q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p, &variant,
-                          &driver, &kernel);
+  if (auto err = FindDecodeKernel(stream, q, k, v, kv_lens, *out, *lse, *workspace, attrs, &p,
+                                  &variant, &driver, &kernel);
+      err.failure()) {
+    return err;
+  }
+  if (p.kv_splits <= 1 || p.B == 0 || p.K == 0) return ffi::Error::Success();
+  unsigned* counters;
+  return SiteCounters(*driver, stream, site, int64_t{p.B} * p.K, /*allocate=*/true, &counters);
 }
 
-ffi::Error DecodeExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
+ffi::Error DecodeExecuteImpl(cu::CUstream stream, DecodeCounters* site, ffi::AnyBuffer q,
+                             ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                              ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
                              ffi::ResultBuffer<ffi::F32> workspace, DecodeAttrs attrs) {
   FaParams p;
@@ -359,19 +460,16 @@ ffi::Error DecodeExecuteImpl(cu::CUstream stream, ffi::AnyBuffer q, ffi::AnyBuff
     const int64_t parts = heads * p.kv_splits * variant.decode_rows;
     p.partial_out = workspace->typed_data();
     p.partial_lse = p.partial_out + parts * p.H;
-    p.counters = reinterpret_cast<unsigned*>(p.partial_lse + parts);
+    if (auto err = SiteCounters(*driver, stream, site, heads, /*allocate=*/false, &p.counters);
+        err.failure()) {
+      return err;
+    }
   }
   const int64_t blocks = heads * p.kv_splits;
   if (blocks > INT32_MAX) {
     return ffi::Error::InvalidArgument("CUDA decode attention: B * K * kv_splits = " +
                                        std::to_string(blocks) +
                                        " thread blocks exceed the grid limit");
-  }
-  if (p.counters) {
-    if (auto rc = driver->cuMemsetD32Async(reinterpret_cast<cu::CUdeviceptr>(p.counters), 0,
-                                           p.B * p.K, stream)) {
-      return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuMemsetD32Async(counters)"));
-    }
   }
   void* args[] = {&p};
   if (auto rc = driver->cuLaunchKernel(kernel->function, static_cast<unsigned>(blocks), 1, 1,
@@ -407,6 +505,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCudaExecute, ExecuteImpl,
 #define FASTATTN_DECODE_BINDING(stage)                    \
   ffi::Ffi::Bind<stage>()                                \
       .Ctx<ffi::PlatformStream<cu::CUstream>>()          \
+      .Ctx<ffi::State<DecodeCounters>>()                 \
       .Arg<ffi::AnyBuffer>()         /* query */         \
       .Arg<ffi::AnyBuffer>()         /* key */           \
       .Arg<ffi::AnyBuffer>()         /* value */         \
@@ -416,6 +515,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCudaExecute, ExecuteImpl,
       .Ret<ffi::Buffer<ffi::F32>>()  /* workspace */     \
       .Attrs<DecodeAttrs>()
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeCudaInstantiate, DecodeInstantiateImpl,
+                              ffi::Ffi::Bind<ffi::ExecutionStage::kInstantiate>()
+                                  .Attrs<DecodeAttrs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeCudaInitialize, DecodeInitializeImpl,
                               FASTATTN_DECODE_BINDING(ffi::ExecutionStage::kInitialize));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeCudaExecute, DecodeExecuteImpl,

@@ -64,7 +64,7 @@ struct FaParams {
                               // T, N) arrays, which the caller combines
                               // (attention_decode.cu merges them itself, below)
   // attention_decode.cu only: split-KV partials and per-(b, kvh) counters,
-  // zeroed before the launch (see that file); null when kv_splits == 1.
+  // zero at every launch (see that file); null when kv_splits == 1.
   float* partial_out;         // (B * K * kv_splits, FA_DECODE_ROWS, H)
   float* partial_lse;         // (B * K * kv_splits, FA_DECODE_ROWS), log2 domain
   unsigned* counters;         // (B * K)

@@ -30,10 +30,11 @@
 // merged by their maxima through shared memory.
 //
 // Split-KV (Flash-Decoding): with p.kv_splits > 1 each block writes its
-// normalized rows and their LSE to p.partial_out / p.partial_lse, counts
-// itself in p.counters[b * K + kvh] (zeroed by the host before the launch),
-// and the last block of each (b, kvh) merges the splits by LSE and writes
-// out and lse. The index rules (end-aligned causal among the T rows, window,
+// normalized rows and their LSE to p.partial_out / p.partial_lse and counts
+// itself in p.counters[b * K + kvh]; the last block of each (b, kvh) merges
+// the splits by LSE, writes out and lse, and sets the counter back to 0. The
+// counters belong to the call site and are zeroed once, when the host
+// allocates them, so a launch needs no memset before it. The index rules (end-aligned causal among the T rows, window,
 // key lengths) are those of attention_common.cuh.
 //
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (1, 2,
@@ -520,6 +521,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaParams p) {
   if (threadIdx.x == 0) s_last = atomicAdd(p.counters + bk, 1u) == unsigned(p.kv_splits - 1);
   __syncthreads();
   if (!s_last) return;
+  if (threadIdx.x == 0) p.counters[bk] = 0;  // every split has counted: ready for the next launch
   __threadfence();
   // Merge the splits' rows by their LSE, four columns per thread, as an
   // online softmax over the splits: each split's LSE is loaded with its O
