@@ -249,13 +249,17 @@ int64_t DecodeWorkspaceWords(int64_t B, int64_t K, int64_t H, int rows, int64_t 
 // Split-KV: the number of splits, at most `most` (the workspace's bound), for
 // `heads` = B * K key/value heads of S keys on a GPU with `wave` resident
 // blocks. Blocks run in ceil(heads * splits / wave) waves, each as long as a
-// split's keys plus a fixed cost (first loads, the merge: about
-// kSplitCostKeys keys' worth); the count with the shortest modeled time
-// wins, the smallest on ties. A partial extra wave doubles the time (400
-// blocks on 396 slots: 544 us against 413 us at B = 1, S = 256K), while
-// more, shorter splits can fill a wave that B * K does not divide.
+// split's keys plus a fixed cost (launch, first loads, the merge and the
+// tail: about kSplitCostKeys keys' worth); the count with the shortest
+// modeled time wins, the smallest on ties. A partial extra wave doubles the
+// time (400 blocks on 396 slots: 544 us against 413 us at B = 1, S = 256K).
+// The fixed cost, fitted on the H100 at H = 128 (B = 1, S = 128K: 16 splits
+// in one wave 196 us, 33 in two 200 us; B = 8, S = 128K: 2 splits in one
+// wave 1441 us, 33 in sixteen 1458 us), is 180-430 keys' worth: one wave of
+// blocks that leave a few multiprocessors idle beats more waves that fill
+// them, as memory bandwidth, not the multiprocessors, bounds the walk.
 int DecodeSplits(int64_t heads, int64_t S, int64_t most, int64_t wave) {
-  constexpr int64_t kSplitCostKeys = 128;
+  constexpr int64_t kSplitCostKeys = 512;
   int best = 1;
   int64_t best_cost = INT64_MAX;
   for (int64_t s = 1; s <= most; ++s) {
