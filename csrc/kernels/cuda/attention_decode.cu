@@ -31,10 +31,11 @@
 //
 // Split-KV (Flash-Decoding): with p.kv_splits > 1 each block writes its
 // normalized rows and their LSE to p.partial_out / p.partial_lse and counts
-// itself in p.counters[b * K + kvh]; the last block of each (b, kvh) merges
-// the splits by LSE, writes out and lse, and sets the counter back to 0. The
-// counters belong to the call site and are zeroed once, when the host
-// allocates them, so a launch needs no memset before it. The index rules (end-aligned causal among the T rows, window,
+// itself in p.counters[b * K + kvh] (an atomicInc that wraps back to 0 at
+// the last split); the last block of each (b, kvh) merges the splits by LSE
+// and writes out and lse. The counters belong to the call site and are
+// zeroed once, when the host allocates them, so a launch needs no memset
+// before it. The index rules (end-aligned causal among the T rows, window,
 // key lengths) are those of attention_common.cuh.
 //
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (1, 2,
@@ -90,8 +91,10 @@ constexpr int kThreads = 32 * kWarps;
 // walk is done).
 constexpr int kWarpRowsBytes = kWarps * kRows * kH * 4;
 constexpr int kSmemBytes = kRingBytes > kWarpRowsBytes ? kRingBytes : kWarpRowsBytes;
-// The splits' partial rows the merging block has in flight at once.
-constexpr int kMergeLoads = 16;
+// The splits' partial rows the merging block has in flight at once (80
+// registers at 16; 8 in the CUDA-core build, where 16 made ptxas spill at
+// H = 256 for sm_90).
+constexpr int kMergeLoads = FA_PATH >= 80 ? 16 : 8;
 
 struct alignas(16) Chunk {
   unsigned w[4];
@@ -518,10 +521,12 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaParams p) {
   // The last split of (b, kvh) to finish merges them all.
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(p.counters + bk, 1u) == unsigned(p.kv_splits - 1);
+  // atomicInc wraps at kv_splits - 1: the last split's count sets the counter
+  // back to 0, ready for the next launch.
+  const unsigned last = p.kv_splits - 1;
+  if (threadIdx.x == 0) s_last = atomicInc(p.counters + bk, last) == last;
   __syncthreads();
   if (!s_last) return;
-  if (threadIdx.x == 0) p.counters[bk] = 0;  // every split has counted: ready for the next launch
   __threadfence();
   // Merge the splits' rows by their LSE, four columns per thread, as an
   // online softmax over the splits: each split's LSE is loaded with its O
