@@ -91,10 +91,11 @@ constexpr int kThreads = 32 * kWarps;
 // walk is done).
 constexpr int kWarpRowsBytes = kWarps * kRows * kH * 4;
 constexpr int kSmemBytes = kRingBytes > kWarpRowsBytes ? kRingBytes : kWarpRowsBytes;
-// The splits' partial rows the merging block has in flight at once (80
-// registers at 16; 8 in the CUDA-core build, where 16 made ptxas spill at
-// H = 256 for sm_90).
-constexpr int kMergeLoads = FA_PATH >= 80 ? 16 : 8;
+// The splits' partial rows the merging block has in flight at once: 16 (80
+// registers), but 8 in the CUDA-core build with one row, where ptxas capped
+// the registers at 128 and spilled at H = 256 for sm_90 (with two rows, 8
+// made it spill on sm_75/80/86 instead).
+constexpr int kMergeLoads = FA_PATH < 80 && kRows == 1 ? 8 : 16;
 
 struct alignas(16) Chunk {
   unsigned w[4];
