@@ -287,6 +287,7 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     return nullptr;
   }
   auto kernel = std::make_unique<LoadedKernel>();
+  kernel->context = context;
   std::string err = [&]() -> std::string {
     CUdevice dev;
     int major = 0, minor = 0, smem_optin = 0;

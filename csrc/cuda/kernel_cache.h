@@ -54,6 +54,7 @@ struct LoadedKernel {
   int block_n = 0;     // Bc: keys per tile
   int blocks_per_sm = 0;    // resident blocks per multiprocessor (occupancy)
   int multiprocessors = 0;  // of the device
+  CUcontext context = nullptr;  // the one it is loaded in
 };
 
 // Finds, or builds and loads, `variant` for the device of `context`.

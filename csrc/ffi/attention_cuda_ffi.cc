@@ -314,14 +314,12 @@ const XLA_FFI_TypeInfo* DecodeCountersTypeInfo() {
 
 namespace {
 
-// The `count` counters of `site` on the context of `stream`: allocated and
-// zeroed (in stream order) if `allocate` and not there yet.
-ffi::Error SiteCounters(const cu::Driver& d, cu::CUstream stream, DecodeCounters* site,
-                        int64_t count, bool allocate, unsigned** counters) {
-  cu::CUcontext context;
-  if (auto rc = d.cuStreamGetCtx(stream, &context)) {
-    return ffi::Error::Internal(cu::DriverError(d, rc, "cuStreamGetCtx"));
-  }
+// The `count` counters of `site` on `context` (that of `stream`, as found
+// when the kernel was looked up): allocated and zeroed (in stream order) if
+// `allocate` and not there yet.
+ffi::Error SiteCounters(const cu::Driver& d, cu::CUcontext context, cu::CUstream stream,
+                        DecodeCounters* site, int64_t count, bool allocate,
+                        unsigned** counters) {
   std::lock_guard<std::mutex> lock(site->mu);
   for (const DecodeCounters::Slab& s : site->slabs) {
     if (s.context != context) continue;
@@ -440,7 +438,8 @@ ffi::Error DecodeInitializeImpl(cu::CUstream stream, DecodeCounters* site, ffi::
   }
   if (p.kv_splits <= 1 || p.B == 0 || p.K == 0) return ffi::Error::Success();
   unsigned* counters;
-  return SiteCounters(*driver, stream, site, int64_t{p.B} * p.K, /*allocate=*/true, &counters);
+  return SiteCounters(*driver, kernel->context, stream, site, int64_t{p.B} * p.K,
+                      /*allocate=*/true, &counters);
 }
 
 ffi::Error DecodeExecuteImpl(cu::CUstream stream, DecodeCounters* site, ffi::AnyBuffer q,
@@ -464,7 +463,8 @@ ffi::Error DecodeExecuteImpl(cu::CUstream stream, DecodeCounters* site, ffi::Any
     const int64_t parts = heads * p.kv_splits * variant.decode_rows;
     p.partial_out = workspace->typed_data();
     p.partial_lse = p.partial_out + parts * p.H;
-    if (auto err = SiteCounters(*driver, stream, site, heads, /*allocate=*/false, &p.counters);
+    if (auto err = SiteCounters(*driver, kernel->context, stream, site, heads,
+                                /*allocate=*/false, &p.counters);
         err.failure()) {
       return err;
     }
