@@ -1,0 +1,67 @@
+"""Small helpers that the library and its examples and benchmarks share.
+
+``median_seconds`` times JAX calls, ``host_cpu_device`` and ``sharding_of``
+name the host CPU device and place arrays, ``format_bytes`` prints sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Callable
+
+import humanize
+import jax
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
+                   calls: int = 1) -> float:
+  """Median wall-clock seconds of one call of ``fn``, device work included.
+
+  Runs ``fn`` ``warmup`` times (compiles, fills caches), then takes
+  ``repeats`` samples, each of ``calls`` calls in a row that waits
+  (``jax.block_until_ready``) for the last one's result: with several calls
+  the dispatch of one overlaps the device work of the one before, as in a
+  program. Returns the median sample divided by ``calls``, in seconds.
+
+  Raises:
+    ValueError: ``repeats`` or ``calls`` below 1, or ``warmup`` below 0.
+  """
+  if repeats < 1 or calls < 1 or warmup < 0:
+    raise ValueError(f"median_seconds: repeats={repeats} and calls={calls} must be >= 1, "
+                     f"warmup={warmup} >= 0")
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn()
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / calls)
+  return statistics.median(samples)
+
+
+@functools.cache
+def host_cpu_device():
+  """``jax.devices("cpu")[0]``, or None when JAX has no CPU backend
+  (``JAX_PLATFORMS`` without ``cpu``)."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
+
+
+def sharding_of(device, memory_kind: str | None = None):
+  """A ``jax.sharding.Sharding`` for ``device``: a ``jax.Device`` (in
+  ``memory_kind``, e.g. "pinned_host"), a sharding (returned as it is) or
+  None (None: the default placement)."""
+  if device is None or isinstance(device, jax.sharding.Sharding):
+    return device
+  return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+def format_bytes(nbytes: float) -> str:
+  """Bytes in binary units with two decimals: "1.50 GiB", "3.00 MiB"."""
+  return humanize.naturalsize(nbytes, binary=True, format="%.2f")
