@@ -5,7 +5,8 @@ dtypes the kernels do not (float64), and is what the backward pass recomputes
 (``fastattn_jax.attention``). Same math as ``jax.nn.dot_product_attention``'s
 XLA path, except that a query row with no visible key gives zeros and an LSE
 of -inf (jax.nn gives the mean of the values there), and masked logits are
-removed by selection so a NaN in a key the row cannot see never reaches it.
+removed by selection so a NaN in a key the row cannot see never reaches it,
+and no infinity arises but that LSE.
 """
 
 from __future__ import annotations
@@ -78,11 +79,17 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   visible = visible_mask(config, T, S, q_lens, kv_lens)
   if mask is not None:
     visible = mask if visible is None else visible & mask
+  # Hidden logits are selected away, never replaced by -inf: no infinity is
+  # created (``jax.debug_infs`` stays quiet) and a NaN in a logit the row
+  # cannot see never reaches its sums.
   if visible is not None:
-    logits = jnp.where(visible, logits, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
-  m = jnp.where(jnp.isneginf(m), 0, m)
-  p = jnp.exp(logits - m)
+    logits = jnp.where(visible, logits, jnp.finfo(acc).min)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  if visible is not None:
+    m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)  # rows that see nothing
+    p = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0)
+  else:
+    p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
   l_safe = jnp.where(l == 0, 1, l)  # empty rows stay NaN-free; a NaN l stays NaN
   p = p / l_safe
@@ -92,6 +99,6 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S),
                    value.astype(acc), precision=jax.lax.Precision.HIGHEST)
   out = out.reshape(B, T, N, H).astype(query.dtype)
-  lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+  lse = (m + jnp.log(l))[..., 0]  # -inf exactly where a row sees no key
   return out, jnp.transpose(lse, (0, 2, 1)).astype(acc)
 

@@ -5,6 +5,7 @@ catches a kernel that multiplies the value row of a masked key by a zero
 probability (0 * NaN = NaN) inside a partially masked tile.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -120,3 +121,23 @@ def test_nan_in_bias_entry_reaches_only_its_row(inputs, rng, impl):
   expected = np.zeros((B, T, N), bool)
   expected[1, 12, 3] = True
   _assert_only(out, lse, clean, expected)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_a_mask_creates_no_infinity(rng, impl, dtype):
+  """Under ``jax.debug_infs`` (what users switch on to hunt NaNs) attention with
+  a boolean mask, and its gradient, run clean as jax.nn's do: masked logits
+  create no infinity anywhere (every row here sees a key, so not even the
+  documented -inf LSE of an empty row appears). float64 takes the reference
+  math; the gradient of every dtype replays it."""
+  with tu.x64():
+    q, k, v = tu.qkv(rng, B, 17, 23, N, K, H, tu.DTYPES.get(dtype, jnp.float64))
+    mask = tu.random_mask(rng, (B, 1, 17, 23), 0.5).at[..., 0].set(True)
+    f = lambda q, k, v: fast_attention(q, k, v, mask=mask, is_causal=True,
+                                       implementation=None if dtype == "float64" else impl)
+    loss = lambda q, k, v: jnp.sum(jnp.square(f(q, k, v).astype(jnp.float32)))
+    with jax.debug_infs(True):
+      out = f(q, k, v)
+      grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  assert np.isfinite(np.asarray(out, np.float64)).all()
+  assert all(np.isfinite(np.asarray(g, np.float64)).all() for g in grads)
