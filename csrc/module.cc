@@ -1,13 +1,16 @@
 // The extension module fastattn_jax._ffi: hands the XLA FFI handlers to
-// Python as capsules (fastattn_jax/backends.py registers them) and exposes the
-// CUDA kernel cache (fastattn_jax/cuda_kernels.py), which needs no GPU.
+// Python as capsules (fastattn_jax/backends.py registers them), and answers
+// Python's questions about the CUDA kernels from their one owner
+// (csrc/cuda/variants.h) and the kernel cache, none of which needs a GPU.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "cuda/kernel_cache.h"
 #include "cuda/nvrtc.h"
+#include "cuda/variants.h"
 #include "ffi/handlers.h"
+#include "ffi/plan_record.h"
 
 namespace nb = nanobind;
 namespace cu = fastattn::cuda;
@@ -18,21 +21,46 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
   return nb::capsule(reinterpret_cast<void*>(handler));
 }
 
+nb::dict TileDict(const FaTile& t) {
+  nb::dict d;
+  d["block_m"] = t.block_m;
+  d["block_n"] = t.block_n;
+  d["threads"] = t.threads;
+  d["smem_bytes"] = t.smem_bytes;
+  return d;
+}
+
+nb::dict VariantDict(const cu::KernelVariant& v) {
+  nb::dict d;
+  d["key"] = v.Key();
+  d["describe"] = v.Describe();
+  d["kernel_sm"] = v.kernel_sm;
+  d["head_dim"] = v.head_dim;
+  d["dtype"] = v.dtype;
+  d["out_dtype"] = v.out_dtype;
+  d["extras"] = v.extras;
+  d["decode_rows"] = v.decode_rows;
+  return d;
+}
+
+cu::KernelVariant CheckedVariant(int64_t key) {
+  const cu::KernelVariant v = cu::KernelVariant::FromKey(key);
+  if (std::string why = v.Check(); !why.empty()) {
+    throw nb::value_error(("no kernel variant " + std::to_string(key) + ": " + why).c_str());
+  }
+  return v;
+}
+
 }  // namespace
 
 NB_MODULE(_ffi, m) {
   m.def("registrations", []() {
-    nb::dict cpu, cuda, stages;
-    cpu["fastattn_attention_fwd_cpu"] = Capsule(AttentionForwardCpu);
-    stages["initialize"] = Capsule(AttentionForwardCudaInitialize);
-    stages["execute"] = Capsule(AttentionForwardCudaExecute);
-    cuda["fastattn_attention_fwd_cuda"] = stages;
-    nb::dict decode_stages;
-    decode_stages["instantiate"] = Capsule(DecodeCudaInstantiate);
-    decode_stages["initialize"] = Capsule(DecodeCudaInitialize);
-    decode_stages["execute"] = Capsule(DecodeCudaExecute);
-    cuda["fastattn_decode_cuda"] = decode_stages;
-    nb::dict targets;
+    nb::dict cpu, cuda, stages, targets;
+    cpu["fastattn_attention_cpu"] = Capsule(AttentionCpu);
+    stages["instantiate"] = Capsule(AttentionCudaInstantiate);
+    stages["initialize"] = Capsule(AttentionCudaInitialize);
+    stages["execute"] = Capsule(AttentionCudaExecute);
+    cuda["fastattn_attention_cuda"] = stages;
     targets["cpu"] = cpu;
     targets["CUDA"] = cuda;
     return targets;
@@ -40,21 +68,131 @@ NB_MODULE(_ffi, m) {
 
   m.def("types", []() {
     nb::dict registration, cuda, types;
-    registration["type_id"] = nb::capsule(DecodeCountersTypeId());
-    registration["type_info"] = nb::capsule(const_cast<XLA_FFI_TypeInfo*>(DecodeCountersTypeInfo()));
-    cuda["fastattn_decode_counters"] = registration;
+    registration["type_id"] = nb::capsule(CudaSiteStateTypeId());
+    registration["type_info"] =
+        nb::capsule(const_cast<XLA_FFI_TypeInfo*>(CudaSiteStateTypeInfo()));
+    cuda["fastattn_cuda_site"] = registration;
     types["CUDA"] = cuda;
     return types;
   }, "FFI state types by platform: {platform: {name: {'type_id': capsule, 'type_info': capsule}}}.");
+
+  m.def("recorded_plans", []() {
+    nb::dict out;
+    for (const auto& [target, facts] : fastattn::RecordedPlans()) {
+      nb::dict d;
+      for (const auto& [name, value] : facts) d[name.c_str()] = value;
+      out[target.c_str()] = d;
+    }
+    return out;
+  }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
+
+  // --- CUDA kernels: the rules (csrc/cuda/variants.h), no GPU needed ----------
+
+  m.def("cuda_limits", []() {
+    nb::dict d;
+    d["max_head_dim"] = kFaMaxHeadDim;
+    d["row_align"] = kFaRowAlign;
+    d["max_decode_rows"] = kFaMaxDecodeRows;
+    d["kernels"] = std::vector<int>{70, 75, 80, 90};
+    nb::dict dtypes;
+    dtypes["float16"] = int{cu::kF16};
+    dtypes["bfloat16"] = int{cu::kBF16};
+    dtypes["float32"] = int{cu::kF32};
+    d["dtypes"] = dtypes;
+    return d;
+  }, "Head-dim limit, row alignment (elements), decode rows, kernel names, dtype codes.");
+  m.def("cuda_runs_on", &fa_runs_on, nb::arg("kernel_sm"), nb::arg("cc"),
+        "Whether a GPU of compute capability cc (10 * major + minor) runs kernel kernel_sm.");
+  m.def("cuda_default_kernel", &cu::DefaultKernel, nb::arg("cc"), nb::arg("head_dim"),
+        "The kernel implementation=None runs on compute capability cc for head dim H.");
+  m.def("cuda_plan_call",
+        [](int kernel_sm, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
+           int dtype, bool bias, bool mask, bool q_lens, float scale, float softcap,
+           int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right) {
+          cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, q_lens,
+                          fa_make_rules(scale, softcap, causal, end_aligned, window_left,
+                                        window_right)};
+          cu::CallPlan plan;
+          if (std::string why = cu::PlanCall(kernel_sm, c, &plan); !why.empty()) {
+            throw nb::value_error(why.c_str());
+          }
+          nb::dict d = VariantDict(plan.variant);
+          d["variant"] = plan.variant.Key();
+          d["operand_dtype"] = plan.operand_dtype;
+          d["row_elements"] = plan.row_elements;
+          d["fold_heads"] = plan.fold_heads;
+          return d;
+        },
+        nb::arg("kernel_sm"), nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"),
+        nb::arg("K"), nb::arg("H"), nb::arg("dtype"), nb::arg("bias"), nb::arg("mask"),
+        nb::arg("q_lens"), nb::arg("scale"), nb::arg("softcap"), nb::arg("causal"),
+        nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
+        "The variant and operand layout kernel kernel_sm serves a call with; ValueError "
+        "names why it cannot.");
+  m.def("cuda_plan_launch",
+        [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
+           int arch, int multiprocessors, int blocks_per_sm) {
+          const cu::KernelVariant v = CheckedVariant(key);
+          if (blocks_per_sm <= 0) blocks_per_sm = cu::MaxBlocksPerSm(v.Tile(arch), arch);
+          const cu::LaunchPlan l =
+              cu::PlanLaunch(v, B, T, S, N, K, H, arch, multiprocessors, blocks_per_sm);
+          nb::dict d = TileDict(l.tile);
+          d["blocks_per_sm"] = blocks_per_sm;
+          d["units"] = l.units;
+          d["blocks"] = l.blocks;
+          d["parts"] = l.parts;
+          d["slots"] = l.slots;
+          d["workspace_floats"] = l.workspace_floats;
+          d["counters"] = l.counters;
+          return d;
+        },
+        nb::arg("variant"), nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"),
+        nb::arg("K"), nb::arg("H"), nb::arg("arch"), nb::arg("multiprocessors"),
+        nb::arg("blocks_per_sm") = 0,
+        "The launch of a variant on a GPU of arch (900) with that many multiprocessors; "
+        "blocks_per_sm 0: the most the multiprocessor's limits allow.");
+  m.def("cuda_operand_dtype", &cu::OperandDtype, nb::arg("kernel_sm"), nb::arg("dtype"),
+        "The dtype code the forward kernel kernel_sm multiplies dtype inputs in.");
+  m.def("cuda_variant", [](int64_t key) { return VariantDict(CheckedVariant(key)); },
+        nb::arg("variant"), "The fields of a variant key.");
+  m.def("cuda_variant_key",
+        [](int kernel_sm, int head_dim, int dtype, int out_dtype, bool extras, int decode_rows) {
+          cu::KernelVariant v;
+          v.kernel_sm = kernel_sm, v.head_dim = head_dim, v.dtype = dtype;
+          v.out_dtype = out_dtype, v.extras = extras, v.decode_rows = decode_rows;
+          return v.Key();
+        },
+        nb::arg("kernel_sm"), nb::arg("head_dim"), nb::arg("dtype"), nb::arg("out_dtype"),
+        nb::arg("extras") = false, nb::arg("decode_rows") = 0,
+        "The key of a variant given by its fields (checked when it is compiled or loaded).");
+  m.def("cuda_shipped_variants",
+        [](int cc, const std::vector<int>& head_dims, const std::vector<int>& dtypes) {
+          std::vector<int64_t> keys;
+          for (const cu::KernelVariant& v : cu::ShippedVariants(cc, head_dims, dtypes)) {
+            keys.push_back(v.Key());
+          }
+          return keys;
+        },
+        nb::arg("cc"), nb::arg("head_dims"), nb::arg("dtypes"),
+        "Keys of the variants precompile builds for compute capability cc.");
+
+  // --- CUDA kernels: compiling and caching --------------------------------------
 
   m.def("set_nvrtc_candidates", &cu::SetNvrtcCandidates, nb::arg("paths"),
         "libnvrtc paths or sonames to try, in order.");
   m.def("set_cache_dir", &cu::SetCacheDir, nb::arg("path"),
         "Folder of the on-disk kernel cache ('' disables it).");
+  m.def("nvrtc_version_for",
+        [](const std::string& arch) {
+          std::string error;
+          std::string version = cu::NvrtcVersionFor(arch, &error);
+          if (version.empty()) throw std::runtime_error(error);
+          return version;
+        },
+        nb::arg("arch"), "The NVRTC version that compiles for arch ('sm_70'); RuntimeError if none.");
   m.def("compile_kernel",
-        [](const std::string& arch, int path, int head_dim, int dtype, int out_dtype,
-           int general, int decode_rows) {
-          cu::KernelVariant v{path, head_dim, dtype, out_dtype, general, decode_rows};
+        [](int64_t key, const std::string& arch) {
+          const cu::KernelVariant v = cu::KernelVariant::FromKey(key);
           cu::CompiledKernel k;
           std::string error;
           bool ok;
@@ -65,6 +203,7 @@ NB_MODULE(_ffi, m) {
           if (!ok) throw std::runtime_error(error);
           nb::dict r;
           r["variant"] = v.Describe();
+          r["arch"] = k.arch;
           r["from_cache"] = k.from_cache;
           r["seconds"] = k.seconds;
           r["log"] = k.log;
@@ -72,8 +211,7 @@ NB_MODULE(_ffi, m) {
           r["cubin_bytes"] = k.cubin.size();
           return r;
         },
-        nb::arg("arch"), nb::arg("path"), nb::arg("head_dim"), nb::arg("dtype"),
-        nb::arg("out_dtype"), nb::arg("general"), nb::arg("decode_rows") = 0,
-        "Compiles one kernel variant for arch ('sm_90') or reads it from the disk cache; "
-        "raises RuntimeError with NVRTC's log on failure.");
+        nb::arg("variant"), nb::arg("arch"),
+        "Compiles a variant for arch ('sm_90') or reads it from the disk cache; raises "
+        "RuntimeError with NVRTC's log on failure.");
 }

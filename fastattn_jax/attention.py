@@ -70,7 +70,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       sm70 / sm75 paths, whose tensor cores lack bfloat16) are rounded to
       float16 for the products, so magnitudes above 65504 overflow there; the
       output keeps the input dtype. They are compiled at first use by NVRTC
-      for the GPU at hand and cached on disk (``fastattn_jax.cuda_kernels``).
+      for the GPU at hand and cached on disk (``fastattn_jax.cuda``).
       A NaN in a value row reaches, on the CUDA and xla paths, the rows that
       share its key tile (0 * NaN inside the product), not only the rows that
       see it.

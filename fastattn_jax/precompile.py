@@ -6,8 +6,8 @@
 For air-gapped clusters and CI images: run it where NVRTC is installed with
 the same ``FASTATTN_CACHE_DIR`` (default: the user cache folder) that the GPU
 jobs will use. NVRTC's version is part of each cache key, so precompile with
-the NVRTC the jobs will load (``cuda_kernels.nvrtc_candidates``: the one
-matching the JAX CUDA plugin first).
+the NVRTC the jobs will load (``cuda.nvrtc_candidates``: the one matching the
+JAX CUDA plugin first).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 from tqdm import tqdm
 
-from fastattn_jax import cuda_kernels
+from fastattn_jax import _ffi, cuda
 
 
 def spills(log: str) -> int:
@@ -37,38 +37,38 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m fastattn_jax.precompile",
       description="Compile fastattn_jax's CUDA kernels into the kernel cache (no GPU needed).")
-  parser.add_argument("--arch", type=_csv(cuda_kernels.parse_arch), required=True,
+  parser.add_argument("--arch", type=_csv(cuda.parse_arch), required=True,
                       help="comma-separated GPU archs, e.g. sm_70,sm_75,sm_80,sm_90")
-  parser.add_argument("--head-dims", type=_csv(int), default=list(cuda_kernels.HEAD_DIMS),
-                      help="head dims (each rounded up to a multiple of 32); default: all")
+  parser.add_argument("--head-dims", type=_csv(int),
+                      default=list(range(32, cuda.MAX_HEAD_DIM + 1, 32)),
+                      help="head dims (each rounded up as its kernel rounds it); default: all")
   parser.add_argument("--dtypes", type=_csv(str), default=["float16", "bfloat16"],
                       help="input dtypes: float16, bfloat16, float32")
   parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                       help="parallel compiles (default: CPU count)")
   args = parser.parse_args(argv)
   for d in args.dtypes:
-    if d not in cuda_kernels.DTYPE_CODES:
+    if d not in cuda.DTYPE_CODES:
       parser.error(f"--dtypes: unknown dtype {d!r}")
-  cuda_kernels.configure()  # FASTATTN_CACHE_DIR / FASTATTN_NVRTC as set now
-  head_dims = sorted({cuda_kernels.kernel_head_dim(h) for h in args.head_dims})
-  if not head_dims or head_dims[-1] > cuda_kernels.HEAD_DIMS[-1] or head_dims[0] <= 0:
-    parser.error(f"--head-dims must be in 1..{cuda_kernels.HEAD_DIMS[-1]}")
-  jobs = [(arch, v) for arch in args.arch
-          for v in cuda_kernels.shipped_variants(arch, head_dims, args.dtypes)]
+  cuda.configure()  # FASTATTN_CACHE_DIR / FASTATTN_NVRTC as set now
+  if not args.head_dims or not all(0 < h <= cuda.MAX_HEAD_DIM for h in args.head_dims):
+    parser.error(f"--head-dims must be in 1..{cuda.MAX_HEAD_DIM}")
+  jobs = [(arch, key) for arch in args.arch
+          for key in cuda.shipped_variants(arch, args.head_dims, args.dtypes)]
 
-  print(f"cache: {cuda_kernels.cache_dir() or '(disabled)'}; {len(jobs)} kernels")
+  print(f"cache: {cuda.cache_dir() or '(disabled)'}; {len(jobs)} kernels")
   failed, built = [], 0
   with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-    futures = {pool.submit(v.compile, arch): (arch, v) for arch, v in jobs}
+    futures = {pool.submit(cuda.compile_variant, key, arch): (arch, key) for arch, key in jobs}
     for fut in tqdm(concurrent.futures.as_completed(futures), total=len(futures), unit="kernel"):
-      arch, v = futures[fut]
+      arch, key = futures[fut]
       try:
         r = fut.result()
         built += not r["from_cache"]
         if spills(r["log"]):
           tqdm.write(f"note: {r['variant']} for {arch} spills registers ({spills(r['log'])} bytes)")
       except RuntimeError as err:
-        failed.append(f"{arch} {v}: {err}")
+        failed.append(f"{arch} {_ffi.cuda_variant(key)['describe']}: {err}")
   for f in failed:
     print(f, file=sys.stderr)
   print(f"{len(jobs) - len(failed)} ready ({built} compiled, {len(jobs) - len(failed) - built} "

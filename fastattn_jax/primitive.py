@@ -146,20 +146,20 @@ def _shardings(config, mesh, arg_shapes):
   return arg_shardings, results
 
 
-def _infer_sharding(path, config, mesh, arg_shapes, result_shape):
+def _infer_sharding(implementation, config, mesh, arg_shapes, result_shape):
   return _shardings(config, mesh, arg_shapes)[1]
 
 
-def _partition(path, config, mesh, arg_shapes, result_shape):
+def _partition(implementation, config, mesh, arg_shapes, result_shape):
   arg_shardings, results = _shardings(config, mesh, arg_shapes)
 
   def lower_fn(operands):
-    return backends.fused_call(path, config, *config.split_operands(operands))
+    return backends.fused_call(implementation, config, *config.split_operands(operands))
 
   return mesh, lower_fn, results, (tuple(arg_shardings),)
 
 
-def _sharding_rule(path, config, mesh, operand_types, result_types):
+def _sharding_rule(implementation, config, mesh, operand_types, result_types):
   """Shardy rule: batch and heads pass through; T, S, H are not split."""
   q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(operand_types)
   full = ("b", "n", "t", "s")
@@ -177,19 +177,19 @@ def _sharding_rule(path, config, mesh, operand_types, result_types):
 
 
 @functools.cache
-def _partitioned(path: str):
-  """The fused kernel of ``path`` wrapped for per-shard execution."""
+def _partitioned(implementation: str):
+  """The fused kernel of ``implementation`` wrapped for per-shard execution."""
 
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
-  def call(path, config, operands):
-    return backends.fused_call(path, config, *config.split_operands(operands))
+  def call(implementation, config, operands):
+    return backends.fused_call(implementation, config, *config.split_operands(operands))
 
   call.def_partition(
       partition=_partition,
       infer_sharding_from_operands=_infer_sharding,
       sharding_rule=_sharding_rule,
   )
-  return functools.partial(call, path)
+  return functools.partial(call, implementation)
 
 
 # --- lowering ----------------------------------------------------------------
@@ -197,14 +197,14 @@ def _partitioned(path: str):
 def _lowering(ctx, *operands, config, platform):
   requested = None if config.implementation == "auto" else config.implementation
   q_aval = ctx.avals_in[0]
-  path = backends.resolve_implementation(requested, backend=platform, dtype=q_aval.dtype,
-                                         head_dim=q_aval.shape[-1])
-  backends.log_path_once(path, platform)
-  if path in backends.FUSED_PATHS:
+  implementation = backends.resolve_implementation(
+      requested, backend=platform, dtype=q_aval.dtype, head_dim=q_aval.shape[-1])
+  backends.log_path_once(implementation, platform)
+  if implementation in backends.FUSED_PATHS:
     if getattr(ctx.module_context.axis_context, "num_devices", None) == 1:
-      fn = lambda *ops: backends.fused_call(path, config, *config.split_operands(ops))
+      fn = lambda *ops: backends.fused_call(implementation, config, *config.split_operands(ops))
     else:
-      fn = lambda *ops: _partitioned(path)(config, ops)
+      fn = lambda *ops: _partitioned(implementation)(config, ops)
   else:
     fn = lambda *ops: attention_reference(config, *config.split_operands(ops))
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import cuda_kernels, fast_attention
+from fastattn_jax import cuda, fast_attention
 
 #: The path under test; None lets the library choose for the platform.
 IMPL = os.environ.get("FASTATTN_TEST_IMPLEMENTATION") or None
@@ -262,8 +262,8 @@ def ref_atol(name: str = "float32", implementation=IMPL) -> float:
 
 def computed_dtype(implementation, name: str) -> str:
   """The dtype the path's matrix products take inputs of dtype ``name`` in."""
-  if implementation in cuda_kernels.PATHS:
-    return cuda_kernels.operand_dtype(cuda_kernels.PATHS[implementation], name)
+  if implementation in cuda.IMPLEMENTATIONS:
+    return cuda.operand_dtype(implementation, name)
   return name
 
 

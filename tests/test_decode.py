@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import backends, fast_attention
+from fastattn_jax import _ffi, cuda, fast_attention
+from fastattn_jax.shapes import AttentionConfig
 from fastattn_jax.decode import KVCache, decode_attention, write
 
 
@@ -102,7 +103,7 @@ def test_long_cache_split_kv():
   q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.bfloat16)
   k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
   lengths = jnp.array([4777], jnp.int32)
-  assert backends.kv_splits(B, 4, K, S_max, multiprocessors=132) > 1
+  assert _h100_launch(B, 1, S_max, N, K, H)["slots"] > 0
   _check(q, k, v, lengths, "bfloat16")
 
 
@@ -119,7 +120,7 @@ def test_split_kv_calls_in_a_row():
   qs = jnp.asarray(rng.standard_normal((calls, B, 1, N, H)), jnp.bfloat16)
   lengths = jnp.asarray([[4096, 2900], [17, 4000], [3333, 1], [4095, 4096], [700, 2048]],
                         jnp.int32)
-  assert backends.decode_splits(B, K, S_max, multiprocessors=132) > 1
+  assert _h100_launch(B, 1, S_max, N, K, H)["slots"] > 0
 
   @jax.jit
   def run(qs, lengths):
@@ -186,56 +187,51 @@ def test_decode_never_reads_past_the_lengths():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, **features):
+  """The owner's plan (csrc/cuda/variants.h) for a call on the sm80 kernels of
+  an H100 (arch 900, 132 multiprocessors): no GPU needed."""
+  plan = cuda.plan("cuda_sm80", AttentionConfig(scale=0.1), (B, T, N, H), (B, S, K, H), dtype,
+                   **features)
+  return dict(_ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(
+      plan, (B, T, N, H), (B, S, K, H)), 900, 132, blocks_per_sm), decode=plan["decode_rows"])
+
+
 def test_decode_kernel_rules():
-  """Which CUDA calls take the decode kernel, and its split-KV factor."""
-  assert backends.uses_decode_kernel((1, 1, 32, 128), (1, 4096, 8, 128), False)
-  assert backends.uses_decode_kernel((4, 2, 8, 64), (4, 100, 2, 64), False)  # 8 rows
-  assert not backends.uses_decode_kernel((4, 3, 8, 64), (4, 100, 2, 64), False)  # 12 rows
-  assert not backends.uses_decode_kernel((1, 1, 32, 128), (1, 4096, 8, 128), True)
-  assert not backends.uses_decode_kernel((1, 1, 32, 128), (1, 0, 8, 128), False)
-  # One sequence, 8 heads: at most DECODE_MAX_BLOCKS_PER_SM blocks per multiprocessor.
-  want = -(-backends.DECODE_MAX_BLOCKS_PER_SM * 132 // 8)
-  assert backends.decode_splits(1, 8, 1 << 18, 132) == min(want, backends.MAX_DECODE_SPLITS)
-  assert backends.decode_splits(1, 8, 4096, 132) == min(
-      want, 4096 // backends.MIN_DECODE_SPLIT_KEYS)
-  assert backends.decode_splits(1024, 8, 1 << 18, 132) == 1
-  assert backends.decode_splits(1, 1, 10 ** 7, 132) == backends.MAX_DECODE_SPLITS
-  assert backends.decode_splits(1, 1, 100, 132) == 1
+  """Which CUDA calls take the decode kernel (at most 8 query rows per
+  key/value head, no bias, mask or query lengths), and its lean partition:
+  one wave of blocks over the heads' key steps, a workspace slot per
+  (block, head) segment."""
+  assert _h100_launch(1, 1, 4096, 32, 8, 128)["decode"] == 4
+  assert _h100_launch(4, 2, 100, 8, 2, 64)["decode"] == 8
+  assert not _h100_launch(4, 3, 100, 8, 2, 64)["decode"]  # 12 rows: the forward kernels
+  assert not _h100_launch(1, 1, 4096, 32, 8, 128, bias=True)["decode"]
+  assert not _h100_launch(1, 1, 0, 32, 8, 128)["decode"]
+  long = _h100_launch(1, 1, 1 << 18, 32, 8, 128, blocks_per_sm=1)
+  assert long["blocks"] == 132 and long["units"] == 8
+  assert long["slots"] == 132 + 8 - 1 and long["counters"] == 8
+  assert long["workspace_floats"] == long["slots"] * 4 * (128 + 1)
+  # Fewer key steps than a wave: one block per step.
+  short = _h100_launch(1, 1, 300, 8, 8, 128, blocks_per_sm=1)
+  steps = 8 * -(-300 // short["block_n"])
+  assert short["blocks"] == steps and short["slots"] == steps + 8 - 1
+  # Every head in one step: nothing to split.
+  whole = _h100_launch(132, 1, 64, 8, 1, 128, blocks_per_sm=1)
+  assert whole["blocks"] == 132 and whole["slots"] == 0 and whole["counters"] == 0
 
 
-def test_kv_splits_rule():
-  # Plenty of row blocks: no split.
-  assert backends.kv_splits(8, 1024, 32, 4096, multiprocessors=132) == 1
-  # One sequence, 8 heads, 64K keys: about two blocks per multiprocessor.
-  assert backends.kv_splits(1, 4, 8, 65536, multiprocessors=132) == 33
-  # Short keys bound the split: at least MIN_SPLIT_KEYS keys each.
-  assert backends.kv_splits(1, 4, 8, 4096, multiprocessors=132) == 4096 // backends.MIN_SPLIT_KEYS
-  assert backends.kv_splits(1, 1, 1, 10 ** 7, multiprocessors=132) == backends.MAX_KV_SPLITS
-  assert backends.kv_splits(1, 1, 1, 100, multiprocessors=132) == 1
-
-
-def test_combine_splits_equals_unsplit():
-  """Softmaxes of key ranges merged by their LSE equal the softmax of all keys."""
-  rng = np.random.default_rng(5)
-  B, T, N, H, S = 2, 3, 2, 16, 90
-  q = rng.standard_normal((B, T, N, H))
-  k = rng.standard_normal((B, S, N, H))
-  v = rng.standard_normal((B, S, N, H))
-  cuts = [0, 7, 7, 50, 90]  # one empty split
-  outs, lses = [], []
-  for lo, hi in zip(cuts[:-1], cuts[1:]):
-    o, l = tu.reference64(q, k[:, lo:hi], v[:, lo:hi])
-    outs.append(o)
-    lses.append(l)
-  out, lse = backends.combine_splits(jnp.asarray(np.stack(outs), jnp.float32),
-                                     jnp.asarray(np.stack(lses), jnp.float32))
-  ref, ref_lse = tu.reference64(q, k, v)
-  assert tu.max_err(out, ref) < 1e-5
-  assert tu.max_err(lse, ref_lse) < 1e-5
-  # Rows no split saw: 0 and -inf, not NaN.
-  empty = jnp.full((2, B, T, N), -jnp.inf)
-  out, lse = backends.combine_splits(jnp.zeros((2, B, T, N, H)), empty)
-  assert not np.asarray(out).any() and np.isneginf(np.asarray(lse)).all()
+def test_forward_split_rule():
+  """The forward kernels split each unit (a row block of one head) when the
+  units leave a wave of blocks idle: enough for every block to get one, each
+  over at least 256 keys, at most 64; merged by a second launch (no counters)."""
+  assert _h100_launch(8, 1024, 4096, 32, 8, 128, blocks_per_sm=2)["parts"] == 1
+  # One row block, 8 heads, 64K keys, 264 resident blocks: 33 splits.
+  split = _h100_launch(1, 40, 65536, 8, 8, 128, blocks_per_sm=2)
+  assert split["units"] == 8 and split["parts"] == 33 and split["blocks"] == 8 * 33
+  assert split["slots"] == 8 * 33 and split["counters"] == 0
+  assert split["workspace_floats"] == 8 * 33 * split["block_m"] * (128 + 1)
+  assert _h100_launch(1, 40, 4096, 8, 8, 128, blocks_per_sm=2)["parts"] == 4096 // 256
+  assert _h100_launch(1, 40, 10 ** 7, 1, 1, 128, blocks_per_sm=2)["parts"] == 64
+  assert _h100_launch(1, 40, 100, 1, 1, 128, blocks_per_sm=2)["parts"] == 1
 
 
 def test_multistep_decode_equals_full_attention():

@@ -16,20 +16,20 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import cuda_kernels, fast_attention, implementations, resolve_implementation
+from fastattn_jax import cuda, fast_attention, implementations, resolve_implementation
 
 pytestmark = pytest.mark.gpu
 
-CUDA_PATHS = list(cuda_kernels.PATHS)
+CUDA_PATHS = list(cuda.IMPLEMENTATIONS)
 
 
 def _capability():
   return tuple(int(x) for x in str(jax.devices("gpu")[0].compute_capability).split("."))
 
 
-def _runnable(path):
-  if not cuda_kernels.runs_on(cuda_kernels.PATHS[path], _capability()):
-    pytest.skip(f"{path} does not run on compute capability {_capability()}")
+def _runnable(implementation):
+  if not cuda.runs_on(implementation, cuda.compute_capability()):
+    pytest.skip(f"{implementation} does not run on compute capability {_capability()}")
 
 
 def test_default_path_on_gpu(rng):
@@ -47,7 +47,7 @@ def test_default_path_on_gpu(rng):
   assert expected in implementations()
 
 
-@pytest.mark.parametrize("path", CUDA_PATHS)
+@pytest.mark.parametrize("implementation", CUDA_PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("case", [
     dict(B=2, T=97, S=130, N=4, K=2, H=64, opts=dict(is_causal=True)),
@@ -58,8 +58,8 @@ def test_default_path_on_gpu(rng):
     dict(B=2, T=70, S=90, N=3, K=3, H=96,
          opts=dict(mask=True, query_seq_lengths=(70, 9), key_value_seq_lengths=(0, 41))),
 ])
-def test_cuda_path(rng, path, dtype, case):
-  _runnable(path)
+def test_cuda_path(rng, implementation, dtype, case):
+  _runnable(implementation)
   opts = dict(case["opts"])
   q, k, v = tu.qkv(rng, case["B"], case["T"], case["S"], case["N"], case["K"], case["H"],
                    tu.DTYPES[dtype])
@@ -69,7 +69,7 @@ def test_cuda_path(rng, path, dtype, case):
   if opts.pop("mask", False):
     mask = tu.random_mask(rng, (case["B"], 1, case["T"], case["S"]))
   opts = {k_: (tu.lengths(v_) if k_.endswith("lengths") else v_) for k_, v_ in opts.items()}
-  tu.check_call(q, k, v, bias, mask, implementation=path, **opts)
+  tu.check_call(q, k, v, bias, mask, implementation=implementation, **opts)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

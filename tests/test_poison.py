@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import cuda_kernels, fast_attention
+from fastattn_jax import cuda, fast_attention
 
 CASES = {
     # Shapes off every plausible tile size, 3-D, head dim not a multiple of 8.
@@ -55,14 +55,15 @@ def test_every_output_element_is_written(name, rng, impl):
   dtype = tu.DTYPES[spec.pop("dtype", "float32")]
   B = spec.pop("B")
   with_mask = spec.pop("mask", False)
-  if impl in cuda_kernels.PATHS:
-    # The CUDA paths pad H to a multiple of 32 (64 on sm90) and convert float32
-    # (and, before sm_80, bfloat16) to float16 around the kernel, which would
-    # then write an intermediate buffer instead of the donated one: use shapes
-    # and dtypes the kernel takes as they are (T, S, B, N stay odd).
-    path = cuda_kernels.PATHS[impl]
-    spec["H"] = cuda_kernels.kernel_head_dim(spec["H"], path)
-    dtype = tu.DTYPES[cuda_kernels.operand_dtype(path, jnp.dtype(dtype).name)]
+  if impl in cuda.IMPLEMENTATIONS:
+    # The CUDA paths read rows of any multiple of 8 elements in place, but pad
+    # other H and convert float32 (and, before sm_80, bfloat16) to float16
+    # around the kernel, which would then write an intermediate buffer instead
+    # of the donated one: use shapes and dtypes the kernel takes as they are
+    # (T, S, B, N and H / 32 stay odd).
+    align = cuda.ROW_ALIGN
+    spec["H"] = -(-spec["H"] // align) * align
+    dtype = tu.DTYPES[cuda.operand_dtype(impl, dtype)]
   q, k, v = tu.qkv(rng, B or 1, dtype=dtype, batch=B is not None, **spec)
   mask = None
   if with_mask:  # half the keys of every row masked (some rows fully)

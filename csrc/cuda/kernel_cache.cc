@@ -13,10 +13,11 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <tuple>
+#include <utility>
 
 #include "cuda/kernel_sources.h"
 #include "cuda/nvrtc.h"
+#include "kernels/cuda/attention_common.cuh"
 
 namespace fastattn::cuda {
 
@@ -45,23 +46,9 @@ const std::string* FindSource(const std::string& name) {
   return nullptr;
 }
 
-std::string SourceFile(const KernelVariant& v) {
-  return v.decode_rows ? "attention_decode.cu"
-       : v.path == 70 ? "attention_volta.cu"
-       : v.path == 90 ? "attention_wgmma.cu"
-                      : "attention_mma16.cu";
-}
-
 std::vector<std::string> Options(const KernelVariant& v) {
-  std::vector<std::string> options = {"-std=c++17",
-                                      "--ptxas-options=-v",
-                                      "-lineinfo",
-                                      "-DFA_PATH=" + std::to_string(v.path),
-                                      "-DFA_HEAD_DIM=" + std::to_string(v.head_dim),
-                                      "-DFA_DTYPE=" + std::to_string(v.dtype),
-                                      "-DFA_OUT_DTYPE=" + std::to_string(v.out_dtype)};
-  options.push_back(v.decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(v.decode_rows)
-                                  : "-DFA_GENERAL=" + std::to_string(v.general));
+  std::vector<std::string> options = {"-std=c++17", "--ptxas-options=-v", "-lineinfo"};
+  for (const std::string& d : v.Defines()) options.push_back(d);
   return options;
 }
 
@@ -171,44 +158,6 @@ class SlowCompileNotice {
 
 }  // namespace
 
-std::string KernelVariant::Describe() const {
-  static const char* names[] = {"f16", "bf16", "f32"};
-  if (decode_rows) {
-    return "decode sm" + std::to_string(path) + " rows=" + std::to_string(decode_rows) + " H=" + std::to_string(head_dim) + " " +
-           names[dtype] + "->" + names[out_dtype];
-  }
-  return "sm" + std::to_string(path) + " H=" + std::to_string(head_dim) + " " +
-         names[dtype] + "->" + names[out_dtype] + (general ? " general" : " plain");
-}
-
-std::string KernelVariant::Check() const {
-  if (decode_rows) {
-    if (decode_rows != 1 && decode_rows != 2 && decode_rows != 4 && decode_rows != 8) {
-      return "decode_rows must be 1, 2, 4 or 8";
-    }
-    if ((path != 75 && path != 80) || general != 0) {
-      return "the decode kernel takes path 75 or 80 and general 0";
-    }
-    if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
-      return "head_dim must be a multiple of 32 in [32, 256]";
-    }
-    if (dtype != 0 && dtype != 1) return "dtype must be 0 or 1";
-    if (out_dtype < 0 || out_dtype > 2) return "out_dtype must be 0, 1 or 2";
-    return "";
-  }
-  if (path != 70 && path != 75 && path != 80 && path != 90) {
-    return "path must be 70, 75, 80 or 90";
-  }
-  if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
-    return "head_dim must be a multiple of 32 in [32, 256]";
-  }
-  if (path == 90 && head_dim % 64 != 0) return "path 90 needs a head_dim multiple of 64";
-  if (dtype != 0 && !(dtype == 1 && path >= 80)) return "bfloat16 operands need path 80 or 90";
-  if (out_dtype < 0 || out_dtype > 2) return "out_dtype must be 0, 1 or 2";
-  if (general != 0 && general != 1) return "general must be 0 or 1";
-  return "";
-}
-
 void SetCacheDir(std::string dir) {
   std::lock_guard<std::mutex> lock(cache_dir_mu);
   cache_dir = std::move(dir);
@@ -222,11 +171,11 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
   }
   // wgmma exists only in the arch-specific sm_90a target, whose code runs on
   // compute capability 9.0 alone.
-  if (v.path == 90 && gpu_arch != "sm_90") {
+  if (v.kernel_sm == 90 && !v.decode_rows && gpu_arch != "sm_90") {
     *error = v.Describe() + " runs on sm_90 (H100, H200) only, not " + gpu_arch;
     return false;
   }
-  const std::string arch = v.path == 90 ? gpu_arch + "a" : gpu_arch;
+  const std::string arch = v.kernel_sm == 90 && !v.decode_rows ? gpu_arch + "a" : gpu_arch;
   std::string nvrtc = NvrtcVersionFor(arch, error);
   if (nvrtc.empty()) return false;
   const std::string key = CacheKey(v, arch, nvrtc);
@@ -236,20 +185,21 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
     if (!cache_dir.empty()) file = std::filesystem::path(cache_dir) / (Hex(Fnv1a(key)) + ".cubin");
   }
   out->nvrtc = nvrtc;
+  out->arch = arch;
   if (!file.empty() && ReadEntry(file, key, out)) {
     out->from_cache = true;
     out->seconds = 0;
     return true;
   }
-  const std::string* source = FindSource(SourceFile(v));
+  const std::string* source = FindSource(v.SourceFile());
   if (!source) {
-    *error = "the extension was built without the CUDA kernel source " + SourceFile(v);
+    *error = "the extension was built without the CUDA kernel source " + v.SourceFile();
     return false;
   }
   // Every embedded header is offered to #include by file name.
   std::vector<std::pair<std::string, std::string>> headers;
   for (const auto& [file, text] : KernelSources()) {
-    if (file.size() > 4 && file.compare(file.size() - 4, 4, ".cuh") == 0) {
+    if (file.size() > 3 && file.compare(file.size() - 3, 3, ".cu") != 0) {
       headers.emplace_back(file, text);
     }
   }
@@ -257,7 +207,7 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
   CompileResult r;
   {
     SlowCompileNotice notice(v.Describe() + " for " + arch + " with NVRTC " + nvrtc);
-    r = NvrtcCompile(arch, *source, SourceFile(v), headers, Options(v));
+    r = NvrtcCompile(arch, *source, v.SourceFile(), headers, Options(v));
   }
   if (!r.ok) {
     *error = r.log;
@@ -274,12 +224,9 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
 const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
                                     const KernelVariant& v, std::string* error) {
   static std::mutex mu;
-  static std::map<std::tuple<CUcontext, int, int, int, int, int, int>,
-                  std::unique_ptr<LoadedKernel>>
-      loaded;
+  static std::map<std::pair<CUcontext, int64_t>, std::unique_ptr<LoadedKernel>> loaded;
   std::lock_guard<std::mutex> lock(mu);
-  auto id = std::make_tuple(context, v.path, v.head_dim, v.dtype, v.out_dtype, v.general,
-                            v.decode_rows);
+  const auto id = std::make_pair(context, v.Key());
   if (auto it = loaded.find(id); it != loaded.end()) return it->second.get();
 
   if (CUresult rc = d.cuCtxPushCurrent(context); rc != 0) {
@@ -288,6 +235,7 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
   }
   auto kernel = std::make_unique<LoadedKernel>();
   kernel->context = context;
+  kernel->variant = v;
   std::string err = [&]() -> std::string {
     CUdevice dev;
     int major = 0, minor = 0, smem_optin = 0;
@@ -295,6 +243,9 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     d.cuDeviceGetAttribute(&major, kAttrComputeCapabilityMajor, dev);
     d.cuDeviceGetAttribute(&minor, kAttrComputeCapabilityMinor, dev);
     d.cuDeviceGetAttribute(&smem_optin, kAttrMaxSharedMemoryPerBlockOptin, dev);
+    d.cuDeviceGetAttribute(&kernel->multiprocessors, kAttrMultiprocessorCount, dev);
+    kernel->arch = major * 100 + minor * 10;
+    kernel->tile = v.Tile(kernel->arch);
     const std::string arch = "sm_" + std::to_string(major * 10 + minor);
     CompiledKernel compiled;
     std::string e;
@@ -306,36 +257,47 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     if (auto rc = d.cuModuleGetFunction(&kernel->function, module, "fa_forward")) {
       return DriverError(d, rc, "cuModuleGetFunction(fa_forward)");
     }
-    CUdeviceptr config;
+    if (!v.decode_rows) {
+      if (auto rc = d.cuModuleGetFunction(&kernel->merge, module, "fa_merge")) {
+        return DriverError(d, rc, "cuModuleGetFunction(fa_merge)");
+      }
+    }
+    // The handler fills the parameters with this compiler's layout, the
+    // kernel reads them with NVRTC's: they must agree.
+    CUdeviceptr global;
     size_t bytes = 0;
-    int launch[4];
-    if (auto rc = d.cuModuleGetGlobal(&config, &bytes, module, "fa_launch")) {
-      return DriverError(d, rc, "cuModuleGetGlobal(fa_launch)");
+    int params_bytes = 0;
+    if (auto rc = d.cuModuleGetGlobal(&global, &bytes, module, "fa_params_bytes")) {
+      return DriverError(d, rc, "cuModuleGetGlobal(fa_params_bytes)");
     }
-    if (bytes != sizeof(launch)) return "fa_launch must be int[4]";
-    if (auto rc = d.cuMemcpyDtoH(launch, config, sizeof(launch))) {
-      return DriverError(d, rc, "cuMemcpyDtoH(fa_launch)");
+    if (bytes != sizeof(int)) return "fa_params_bytes must be an int";
+    if (auto rc = d.cuMemcpyDtoH(&params_bytes, global, sizeof(int))) {
+      return DriverError(d, rc, "cuMemcpyDtoH(fa_params_bytes)");
     }
-    kernel->block_m = launch[0], kernel->threads = launch[1], kernel->smem_bytes = launch[2];
-    kernel->block_n = launch[3];
-    if (kernel->smem_bytes > smem_optin) {
-      return v.Describe() + " needs " + std::to_string(kernel->smem_bytes) +
+    const size_t host_bytes = v.decode_rows ? sizeof(FaDecodeParams) : sizeof(FaParams);
+    if (static_cast<size_t>(params_bytes) != host_bytes) {
+      return v.Describe() + ": the kernel's parameters take " + std::to_string(params_bytes) +
+             " bytes, the host's " + std::to_string(host_bytes);
+    }
+    if (kernel->tile.smem_bytes > smem_optin) {
+      return v.Describe() + " needs " + std::to_string(kernel->tile.smem_bytes) +
              " bytes of shared memory per block; " + arch + " allows " +
              std::to_string(smem_optin);
     }
     // Needed above 48 KB of static plus dynamic shared memory (the decode
     // kernel has both); harmless below.
-    if (kernel->smem_bytes > 0) {
+    if (kernel->tile.smem_bytes > 0) {
       if (auto rc = d.cuFuncSetAttribute(kernel->function, kFuncAttrMaxDynamicSharedSizeBytes,
-                                         kernel->smem_bytes)) {
+                                         kernel->tile.smem_bytes)) {
         return DriverError(d, rc, "cuFuncSetAttribute(max dynamic shared memory)");
       }
     }
     if (auto rc = d.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            &kernel->blocks_per_sm, kernel->function, kernel->threads, kernel->smem_bytes)) {
+            &kernel->blocks_per_sm, kernel->function, kernel->tile.threads,
+            kernel->tile.smem_bytes)) {
       return DriverError(d, rc, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     }
-    d.cuDeviceGetAttribute(&kernel->multiprocessors, kAttrMultiprocessorCount, dev);
+    if (kernel->blocks_per_sm < 1) return v.Describe() + " cannot run a block on " + arch;
     return "";
   }();
   CUcontext popped;

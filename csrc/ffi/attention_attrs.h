@@ -1,38 +1,35 @@
-// What the CPU and CUDA FFI handlers share: the options of one call, decoded
-// from the custom call's attribute dictionary (fastattn_jax/backends.py:
-// fused_call), and the checks of the operands' shapes.
+// What the CPU and CUDA FFI handlers share: the attributes of one call
+// (fastattn_jax/backends.py and cuda.py build them), decoded into the index
+// rules once, and the checks of the operands' shapes.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
+#include "kernels/attention_rules.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace fastattn {
 
-struct AttentionAttrs {
-  float scale;
-  float softcap;
-  int64_t is_causal;
-  int64_t end_aligned;  // row i sits at key position i + kv_len - q_len
-  int64_t window_left;
-  int64_t window_right;
-  int64_t kernel_path;  // CUDA: 70, 75 or 80 (the forced or chosen path); CPU: 0
-};
-
-// The options of a CUDA decode-kernel call (fastattn_jax/backends.py: decode_call).
-struct DecodeAttrs {
+// The custom call's attributes: the logit transform and index rules
+// (FaRules), and on CUDA the kernel variant the lowering chose
+// (csrc/cuda/variants.h: PlanCall) and whether it folds heads into rows.
+struct CallAttrs {
   float scale;
   float softcap;
   int64_t is_causal;
   int64_t end_aligned;
   int64_t window_left;
   int64_t window_right;
-  int64_t kv_splits;    // the most split-KV blocks per (b, kvh), 1..128 (the
-                        // workspace's size); the handler picks the count
-  int64_t kernel_path;  // the CUDA path (70, 75, 80, 90) the call serves
+  int64_t variant;     // KernelVariant::Key(); 0 on the CPU
+  int64_t fold_heads;  // CallPlan::fold_heads; 0 on the CPU
 };
+
+inline FaRules RulesOf(const CallAttrs& a) {
+  return fa_make_rules(a.scale, a.softcap, a.is_causal, a.end_aligned, a.window_left,
+                       a.window_right);
+}
 
 inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {
   std::string s = "(";
@@ -96,20 +93,12 @@ inline xla::ffi::Error BroadcastStrides(const char* name, xla::ffi::Span<const i
 
 }  // namespace fastattn
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fastattn::AttentionAttrs,
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fastattn::CallAttrs,
                                       StructMember<float>("scale"),
                                       StructMember<float>("softcap"),
                                       StructMember<int64_t>("is_causal"),
                                       StructMember<int64_t>("end_aligned"),
                                       StructMember<int64_t>("window_left"),
                                       StructMember<int64_t>("window_right"),
-                                      StructMember<int64_t>("kernel_path"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fastattn::DecodeAttrs,
-                                      StructMember<float>("scale"),
-                                      StructMember<float>("softcap"),
-                                      StructMember<int64_t>("is_causal"),
-                                      StructMember<int64_t>("end_aligned"),
-                                      StructMember<int64_t>("window_left"),
-                                      StructMember<int64_t>("window_right"),
-                                      StructMember<int64_t>("kv_splits"),
-                                      StructMember<int64_t>("kernel_path"));
+                                      StructMember<int64_t>("variant"),
+                                      StructMember<int64_t>("fold_heads"));

@@ -9,7 +9,7 @@
 #include "kernels/cpu/attention_cpu.h"
 
 namespace ffi = xla::ffi;
-using fastattn::AttentionAttrs;
+using fastattn::CallAttrs;
 using fastattn::BroadcastStrides;
 
 namespace {
@@ -23,11 +23,11 @@ bool ToElementType(ffi::DataType dtype, fastattn::ElementType* out) {
   }
 }
 
-ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error AttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
                                    ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Result<ffi::AnyBuffer> out,
-                                   ffi::ResultBuffer<ffi::F32> lse, AttentionAttrs attrs) {
+                                   ffi::ResultBuffer<ffi::F32> lse, CallAttrs attrs) {
   fastattn::QkvDims d;
   if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
       err.failure()) {
@@ -69,19 +69,20 @@ ffi::Error AttentionForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
       err.failure()) {
     return err;
   }
-  p.scale = attrs.scale;
-  p.softcap = attrs.softcap;
-  p.causal = attrs.is_causal != 0;
-  p.end_aligned = attrs.end_aligned != 0;
-  p.window_left = attrs.window_left;
-  p.window_right = attrs.window_right;
+  const FaRules rules = fastattn::RulesOf(attrs);
+  p.scale = rules.scale;
+  p.softcap = rules.softcap;
+  p.causal = rules.causal != 0;
+  p.end_aligned = rules.end_aligned != 0;
+  p.window_left = rules.window_left;
+  p.window_right = rules.window_right;
   fastattn::attention_forward_cpu(p);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCpu, AttentionForwardCpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionCpuImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()            // query
                                   .Arg<ffi::AnyBuffer>()            // key
@@ -92,4 +93,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForwardCpu, AttentionForwardCpuImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()     // key lengths or empty
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
-                                  .Attrs<AttentionAttrs>());
+                                  .Attrs<CallAttrs>());

@@ -1,73 +1,92 @@
 // What every CUDA attention kernel shares: the launch parameters, the
-// tiling-mask (which keys a row block can see), the logit transform,
-// float <-> 16-bit conversions, which rows a block owns, and the
+// tiling-mask on top of the index rules (attention_rules.h), the logit
+// transform, float <-> 16-bit conversions, which rows a block owns, and the
 // shared-memory and cp.async helpers.
 //
 // Compiled two ways: by NVRTC as part of a kernel (no CUDA headers: the
 // conversions are inline PTX), and by the host compiler for the layout of
-// FaParams, which the FFI handler fills and passes as the kernel's one
-// argument. Keep this file free of includes.
+// the parameter structs, which the FFI handlers fill and pass as a kernel's
+// first argument. Includes only the other include-free headers.
 //
-// Compile-time options of a kernel (NVRTC -D flags, set by
-// csrc/cuda/kernel_cache.cc):
-//   FA_PATH       70 (mma.m8n8k4), 75 (mma.m16n8k8), 80 (mma.m16n8k16),
-//                 90 (wgmma, sm_90a; FA_HEAD_DIM a multiple of 64)
-//   FA_HEAD_DIM   32, 64, ..., 256: the head dim H (the caller pads H up to it)
-//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_PATH 80, 90)
+// Compile-time options of a kernel (NVRTC -D flags, from the variant:
+// csrc/cuda/variants.cc):
+//   FA_KERNEL_SM  70 (mma.m8n8k4), 75 (mma.m16n8k8), 80 (mma.m16n8k16),
+//                 90 (wgmma, sm_90a); the decode kernel: 75 or 80, its build
+//   FA_HEAD_DIM   the kernel head dim (attention_tiles.cuh); the call's H may
+//                 be smaller: columns past it read as zeros, never written
+//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_KERNEL_SM >= 80)
 //   FA_OUT_DTYPE  out element: 0 float16, 1 bfloat16, 2 float32
-//   FA_GENERAL    1: bias, mask and soft cap are compiled in (each still off
-//                 when its FaParams field is null / 0), any scale; 0: none of
-//                 them, and scale > 0
+//   FA_EXTRAS     forward kernels: 1 compiles in bias, mask and soft cap
+//                 (each still off when its field is null / 0) and any scale;
+//                 0: none of them, and scale > 0
+//   FA_DECODE_ROWS  the decode kernel's rows per block (1, 2, 4 or 8)
 //
 // Each kernel source defines
 //   extern "C" __global__ void fa_forward(const FaParams p);
-//     (FA_PATH 90: fa_forward(const FaParams p, const FaTmaMaps maps))
-//   extern "C" __constant__ int fa_launch[4];
-//     // {block_m (Br), threads, smem bytes, block_n (Bc)}
-// and is launched with grid.x = ceil(T / block_m) * N * B * kv_splits, block.x = threads
-// and fa_launch[2] bytes of dynamic shared memory. (attention_decode.cu, the
-// decode kernel: grid.x = B * K * kv_splits, block_m = its rows per block.)
+//     (FA_KERNEL_SM 90: fa_forward(const FaParams p, const FaTmaMaps maps);
+//      the decode kernel: fa_forward(const FaDecodeParams p))
+//   extern "C" __constant__ int fa_params_bytes;  // sizeof its parameters
+// and is launched with fa_forward_tile / fa_decode_tile's threads and
+// dynamic shared memory; grids: fa_forward_grid below, and the decode
+// kernel's lean partition (attention_decode.cu).
 #pragma once
+
+#include "attention_rules.h"
+#include "attention_tiles.cuh"
 
 #ifndef __CUDACC_RTC__
 #include <cstdint>
 static_assert(sizeof(long long) == 8 && sizeof(void*) == 8, "64-bit only");
 #endif
 
-// All pointers are device pointers to contiguous row-major arrays.
-struct FaParams {
-  const void* q;       // (B, T, N, H)
-  const void* k;       // (B, S, K, H)
-  const void* v;       // (B, S, K, H)
-  void* out;           // (B, T, N, H), written everywhere
-  float* lse;          // (B, T, N): natural-log LSE of the final logits; -inf
-                       // for a row that sees no key
-  const float* bias;   // broadcast to (B, N, T, S) by bias_strides; or null
-  const unsigned char* mask;  // bool, broadcast by mask_strides; or null
-  const int* q_lens;   // (B,): rows >= q_lens[b] see no key; or null
+// The operands of a call, all device pointers: q (B, T, N, H), k and v
+// (B, S, K, H) 16-bit, out (B, T, N, H) of FA_OUT_DTYPE, lse (B, T, N)
+// float32. Element (b, t, n, e) of q is q[b * q_stride[0] + t * q_stride[1] +
+// n * q_stride[2] + e], and likewise k and v (one layout), out and lse (no e):
+// no caller pads or copies an operand to fit a kernel.
+struct FaOperands {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;           // written everywhere
+  float* lse;          // natural-log LSE of the final logits; -inf for a row
+                       // that sees no key
+  long long q_stride[3];
+  long long kv_stride[3];
+  long long out_stride[3];
+  long long lse_stride[3];
   const int* kv_lens;  // (B,): keys >= kv_lens[b] are never read; or null
-  long long bias_strides[4];  // element strides for b, n, t, s (0: broadcast)
+  int B, T, S, N, K;   // query head n reads key/value head n / (N / K)
+  int H;               // the rows' length in memory, a multiple of
+                       // kFaRowAlign, at most FA_HEAD_DIM
+};
+
+// Split-KV (Flash-Decoding, attention_split.cuh): a launch's units (a forward
+// row block, a decode head) are cut into segments whose partial softmaxes the
+// last one to finish merges. Null pointers when nothing is split.
+struct FaSplitKV {
+  float* partial_out;  // (slots, rows, H): each segment's normalized rows
+  float* partial_lse;  // (slots, rows): their LSE, log2 domain
+  unsigned* counters;  // (units): segments finished, zero between launches
+  int parts;           // forward: splits per unit (1: none); decode: blocks
+                       // of the lean partition
+};
+
+struct FaParams : FaOperands {
+  const float* bias;           // broadcast to (B, N, T, S) by bias_strides; or null
+  const unsigned char* mask;   // bool, broadcast by mask_strides; or null
+  long long bias_strides[4];   // element strides for b, n, t, s (0: broadcast)
   long long mask_strides[4];
-  int B, T, S, N, K, H;       // query head n reads key/value head n / (N / K)
-  float scale;                // multiplies q . k
-  float softcap;              // > 0: logit = softcap * tanh(logit / softcap)
-  int causal;                 // key j visible to row i only if j <= i
-  int window_left;            // >= 0: key j visible only if j >= i - left
-  int window_right;           // >= 0: key j visible only if j <= i + right
-  int end_aligned;            // causal and window rules place row i at key
-                              // position i + kv_len - q_len, not i
-  int kv_splits;              // split-KV: >= 1 blocks per row block, each over
-                              // a share of its key tiles; with more than one,
-                              // split s writes its own softmax (out and lse,
-                              // normalized over its keys) as batch s * B + b
-                              // of (kv_splits * B, T, N, H) and (kv_splits * B,
-                              // T, N) arrays, which the caller combines
-                              // (attention_decode.cu merges them itself, below)
-  // attention_decode.cu only: split-KV partials and per-(b, kvh) counters,
-  // zero at every launch (see that file); null when kv_splits == 1.
-  float* partial_out;         // (B * K * kv_splits, FA_DECODE_ROWS, H)
-  float* partial_lse;         // (B * K * kv_splits, FA_DECODE_ROWS), log2 domain
-  unsigned* counters;         // (B * K)
+  const int* q_lens;           // (B,): rows >= q_lens[b] see no key; or null
+  FaRules rules;
+  FaSplitKV split;
+};
+
+// The decode kernel's: no bias, mask or query lengths (the host sends such
+// calls to the forward kernels).
+struct FaDecodeParams : FaOperands {
+  FaRules rules;
+  FaSplitKV split;
 };
 
 // A TMA descriptor (the driver's CUtensorMap, filled by
@@ -76,97 +95,56 @@ struct alignas(128) FaTensorMap {
   unsigned long long opaque[16];
 };
 
-// FA_PATH 90's TMA descriptors: q as (H, N, T, B) and k, v as (H, K, S, B),
-// innermost first, 16-bit elements; boxes of {64, 1, rows, 1} (rows = Br for
-// q, Bc for k and v) with the 128-byte swizzle; reads past T or S give zeros.
+// FA_KERNEL_SM 90's TMA descriptors: q as (H, N, T, B) and k, v as (H, K, S,
+// B), innermost first, 16-bit elements; boxes of {64, 1, rows, 1} (rows = Br
+// for q, Bc for k and v) with the 128-byte swizzle; reads past H, T or S give
+// zeros.
 struct FaTmaMaps {
   FaTensorMap q, k, v;
 };
+
+// The forward kernels' grid: ceil(T / Br) * N * B units, each split in
+// `parts` (FaSplitKV). Host and device compute it here.
+FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int block_m) {
+  return (long long)((p.T + block_m - 1) / block_m) * p.N * p.B;
+}
 
 #ifdef __CUDACC_RTC__
 
 #define FA_NEG_INF __int_as_float(0xff800000)
 
-// Row i of batch b sees key j iff i < q_len, j < kv_len (and j < S), the
-// causal and window bounds hold for the row's position (i, or with
-// end_aligned i + kv_len - q_len), and mask[b, n, i, j] is true. The final
-// logit of a visible key is
-//   x = scale * (q_i . k_j);  x = softcap * tanh(x / softcap) if softcap > 0;
-//   x += bias[b, n, i, j]
-// and the output row is softmax(x) . V over the visible keys; a row with no
-// visible key gets 0 and LSE -inf.
-
 __device__ __forceinline__ int fa_q_len(const FaParams& p, int b) {
   return p.q_lens ? min(max(p.q_lens[b], 0), p.T) : p.T;
 }
 
-__device__ __forceinline__ int fa_kv_len(const FaParams& p, int b) {
+__device__ __forceinline__ int fa_kv_len(const FaOperands& p, int b) {
   return p.kv_lens ? min(max(p.kv_lens[b], 0), p.S) : p.S;
 }
 
-// Key position of row 0 for the causal and window rules.
-__device__ __forceinline__ int fa_pos_shift(const FaParams& p, int q_len, int kv_len) {
-  return p.end_aligned ? kv_len - q_len : 0;
-}
-
-// Keys [*lo, *hi) hold every key that any row of [m0, m1) can see (index
-// rules only; the mask can hide more). Empty when *lo >= *hi.
-__device__ __forceinline__ void fa_key_range(const FaParams& p, int b, int m0,
-                                             int m1, int* lo, int* hi) {
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
-  int l = 0, h = kv_len;
-  m1 = min(m1, q_len);
-  if (m1 <= m0) h = 0;
-  const int shift = fa_pos_shift(p, q_len, kv_len);
-  m0 += shift;
-  m1 += shift;
-  if (p.causal) h = min(h, m1);
-  if (p.window_right >= 0) h = min((long long)h, (long long)m1 - 1 + p.window_right + 1);
-  if (p.window_left >= 0) l = max((long long)l, (long long)m0 - p.window_left);
-  *lo = l;
-  *hi = h;
-}
-
-// The key tiles of Bc keys, [*t_begin, *t_end), that cover fa_key_range.
+// The key tiles of Bc keys, [*t_begin, *t_end), that cover keys [lo, hi).
 __device__ __forceinline__ void fa_key_tiles(int lo, int hi, int bc, int* t_begin, int* t_end) {
   *t_begin = lo / bc;
   *t_end = hi > lo ? (hi + bc - 1) / bc : *t_begin;
 }
 
 // Split-KV: the share [*t_begin, *t_end) of the key tiles that split `split`
-// of p.kv_splits walks (contiguous, as even as whole tiles allow).
-__device__ __forceinline__ void fa_split_tiles(const FaParams& p, int split, int* t_begin,
-                                               int* t_end) {
-  const int per = (*t_end - *t_begin + p.kv_splits - 1) / p.kv_splits;
+// of `parts` walks (contiguous, as even as whole tiles allow).
+__device__ __forceinline__ void fa_split_tiles(int split, int parts, int* t_begin, int* t_end) {
+  const int per = (*t_end - *t_begin + parts - 1) / parts;
   *t_begin = min(*t_end, *t_begin + split * per);
   *t_end = min(*t_end, *t_begin + per);
 }
 
-// True when every (row, key) of [m0, m1) x [n0, n1) passes the index rules,
-// so the tile needs no elementwise masking (the mask, if any, still applies).
-__device__ __forceinline__ bool fa_tile_all_visible(const FaParams& p, int b,
-                                                    int m0, int m1, int n0,
-                                                    int n1) {
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
-  if (m1 > q_len || n1 > kv_len) return false;
-  const int shift = fa_pos_shift(p, q_len, kv_len);
-  m0 += shift;
-  m1 += shift;
-  if (p.causal && n1 - 1 > m0) return false;
-  if (p.window_right >= 0 && (long long)n1 - 1 > (long long)m0 + p.window_right) return false;
-  if (p.window_left >= 0 && (long long)n0 < (long long)m1 - 1 - p.window_left) return false;
-  return true;
+// The index rules for one (row, key) pair.
+__device__ __forceinline__ bool fa_visible(const FaRules& r, int q_len, int kv_len, int i, int j) {
+  int lo, hi;
+  fa_row_keys(r, q_len, kv_len, i, &lo, &hi);
+  return j >= lo && j < hi;
 }
 
-// The index rules for one (row, key) pair.
-__device__ __forceinline__ bool fa_visible(const FaParams& p, int q_len,
-                                           int kv_len, int i, int j) {
-  if (i >= q_len || j >= kv_len) return false;
-  i += fa_pos_shift(p, q_len, kv_len);
-  if (p.causal && j > i) return false;
-  if (p.window_right >= 0 && (long long)j > (long long)i + p.window_right) return false;
-  if (p.window_left >= 0 && (long long)j < (long long)i - p.window_left) return false;
-  return true;
+// Offsets (elements) of row (b, t, n) in a tensor of the given strides.
+__device__ __forceinline__ long long fa_at(const long long (&stride)[3], int b, int t, int n) {
+  return b * stride[0] + t * stride[1] + n * stride[2];
 }
 
 // 2^x and log2(x), the fast hardware approximations the softmax runs on.
@@ -182,8 +160,6 @@ __device__ __forceinline__ float fa_lg2(float x) {
   return y;
 }
 
-// The logit of a visible (row i, key j) from the raw q . k; -inf if masked.
-// Only for FA_GENERAL kernels; the plain path is x * scale.
 __device__ __forceinline__ float fa_tanh(float x) {
   float y;
 #if __CUDA_ARCH__ >= 750
@@ -195,10 +171,12 @@ __device__ __forceinline__ float fa_tanh(float x) {
   return y;
 }
 
-__device__ __forceinline__ float fa_general_logit(const FaParams& p, float qk,
-                                                  int b, int n, int i, int j) {
-  float x = qk * p.scale;
-  if (p.softcap > 0.f) x = p.softcap * fa_tanh(x / p.softcap);
+// The logit of a visible (row i, key j) from the raw q . k; -inf if masked.
+// Only for FA_EXTRAS kernels; the others take x * scale.
+__device__ __forceinline__ float fa_extras_logit(const FaParams& p, float qk,
+                                                 int b, int n, int i, int j) {
+  float x = qk * p.rules.scale;
+  if (p.rules.softcap > 0.f) x = p.rules.softcap * fa_tanh(x / p.rules.softcap);
   if (p.bias) {
     x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] +
                 i * p.bias_strides[2] + j * p.bias_strides[3]];
@@ -260,40 +238,58 @@ __device__ __forceinline__ unsigned fa_pack_in(float lo, float hi) {
 #endif
 }
 
+
+constexpr float kFaLog2e = 1.4426950408889634f;
+constexpr float kFaLn2 = 0.6931471805599453f;
+
+// out[at .. at + 3] in FA_OUT_DTYPE.
+__device__ __forceinline__ void fa_store_quad(void* out, long long at, const float (&x)[4]) {
+#pragma unroll
+  for (int f = 0; f < 4; f += 2) {
+#if FA_OUT_DTYPE == 2
+    static_cast<float*>(out)[at + f] = x[f];
+    static_cast<float*>(out)[at + f + 1] = x[f + 1];
+#elif FA_OUT_DTYPE == 1
+    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
+        fa_pack_bf16(x[f], x[f + 1]);
+#else
+    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
+        fa_pack_f16(x[f], x[f + 1]);
+#endif
+  }
+}
+
 // --- Blocks and tiles ---------------------------------------------------------
 
 // What a block of fa_forward owns: query rows [m0, m0 + block_m) of batch b,
-// head n (reading key/value head kvh), and split `split` of their key tiles.
-// Consecutive blocks share (b, n), so the K/V they stream hit L2 together;
-// the splits of one row block are grid-wide apart, and causal row blocks go
-// heaviest first to shorten the tail.
+// head n (reading key/value head kvh), and split `split` of their key tiles:
+// unit `unit` of fa_forward_units. Consecutive blocks share (b, n), so the
+// K/V they stream hit L2 together; the splits of one unit are grid-wide
+// apart, and causal row blocks go heaviest first to shorten the tail.
 struct FaBlock {
-  int b, n, kvh, m0, q_len, kv_len, split;
+  int b, n, kvh, m0, q_len, kv_len, split, unit;
 };
 
 __device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m) {
   const int num_m = (p.T + block_m - 1) / block_m;
-  const int per_split = num_m * p.N * p.B;
-  const int split = blockIdx.x / per_split, x = blockIdx.x - split * per_split;
-  int mb = x % num_m;
-  const int bn = x / num_m;
+  const int units = num_m * p.N * p.B;
+  const int split = blockIdx.x / units, unit = blockIdx.x - split * units;
+  int mb = unit % num_m;
+  const int bn = unit / num_m;
   const int n = bn % p.N, b = bn / p.N;
-  if (p.causal) mb = num_m - 1 - mb;
-  return FaBlock{b, n, n / (p.N / p.K), mb * block_m, fa_q_len(p, b), fa_kv_len(p, b), split};
-}
-
-// The batch index block `blockIdx.x` writes its rows of batch b under: b, or
-// split * B + b under split-KV. Recomputed at the end rather than kept live.
-__device__ __forceinline__ int fa_out_batch(const FaParams& p, int block_m, int b) {
-  return blockIdx.x / (((p.T + block_m - 1) / block_m) * p.N * p.B) * p.B + b;
+  if (p.rules.causal) mb = num_m - 1 - mb;
+  return FaBlock{b, n, n / (p.N / p.K), mb * block_m, fa_q_len(p, b), fa_kv_len(p, b), split,
+                 unit};
 }
 
 // A tile of rows of a (B, L, heads, H) 16-bit array: row r at base + r * ld;
-// rows >= rows_valid do not exist (loaded as zeros).
+// rows >= rows_valid do not exist and columns >= cols (the call's H) are
+// not read: both load as zeros.
 struct FaTileSrc {
   const unsigned short* base;
-  int ld;
+  long long ld;
   int rows_valid;
+  int cols;
 };
 
 // --- Shared memory --------------------------------------------------------------

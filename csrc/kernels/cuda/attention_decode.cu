@@ -5,130 +5,85 @@
 //
 // The work is memory-bound (about 2 * T * G flops per byte of K and V): what
 // matters is streaming K and V once, at full bandwidth, from enough blocks to
-// fill the GPU, with few enough instructions per key that issue never limits
-// it. Block (b, kvh, split) holds all T * G rows of its key/value head and
-// walks a contiguous share of the keys; its kWarps warps take turns over
-// them and each keeps its own online softmax (FlashAttention-2, log2 domain,
-// q . k scaled by scale * log2(e)). Two builds of that walk:
+// keep every multiprocessor busy to the end, with few enough instructions
+// per key that issue never limits it. A unit of work is the T * G rows of one
+// (b, kvh) and their walk over the keys they see, in steps of kKeysPerIter
+// keys; the launch is one wave of blocks, and block i takes the i-th equal
+// share of all units' steps, flattened in unit order (a lean, stream-K
+// partition, attention_split.cuh): a share may end one unit and start the
+// next, so no multiprocessor idles while others finish (with one block per
+// (b, kvh, split) instead, B = 8, S = 64K on the H100 kept 128 of 132 busy).
+// Its kWarps warps take turns over a segment's keys and each keeps its own
+// online softmax (FlashAttention-2, log2 domain, q . k scaled by scale *
+// log2(e)). Two builds of that walk:
 //
-// FA_PATH 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies
-// tiles of kTileKeys keys into its own shared-memory ring with cp.async,
-// one tile ahead, and runs mma.m16n8k16 on them: S = Q K^T with the rows in
-// the first 8 of the 16 A rows (the rest zero), the probabilities repacked
-// in registers as the A operand of P V. About 10 warp instructions per key
-// at H = 128, where the lane-split dot products of the CUDA-core walk took
-// 75 and made it issue-bound (2.7 TB/s at best on the H100).
+// Build 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies tiles
+// of kTileKeys keys into its own shared-memory ring with cp.async, one tile
+// ahead, and runs mma.m16n8k16 on them: S = Q K^T with the rows in the first
+// 8 of the 16 A rows (the rest zero), the probabilities repacked in
+// registers as the A operand of P V. About 10 warp instructions per key at
+// H = 128, where the lane-split dot products of the CUDA-core walk took 75
+// and made it issue-bound (2.7 TB/s at best on the H100).
 //
-// FA_PATH 75 (the sm_70 and sm_75 paths; sm_75 has no bfloat16 mma), CUDA
+// Build 75 (the sm_70 and sm_75 paths; sm_75 has no bfloat16 mma), CUDA
 // cores in float32: kLanesPerKey lanes share one key, each holding a 16-byte
 // chunk of its K and V rows, loaded kSteps steps ahead into registers; each
 // key's q . k is summed over its lanes by butterfly shuffles, so every lane
 // of the key holds the logit and updates its own O chunk.
 //
-// The elementwise mask runs only on a block's last keys, or when there are
+// The elementwise mask runs only on a segment's last keys, or when there are
 // per-row rules (causal among T > 1 rows, windows). The warps' softmaxes are
-// merged by their maxima through shared memory.
-//
-// Split-KV (Flash-Decoding): with p.kv_splits > 1 each block writes its
-// normalized rows and their LSE to p.partial_out / p.partial_lse and counts
-// itself in p.counters[b * K + kvh] (an atomicInc that wraps back to 0 at
-// the last split); the last block of each (b, kvh) merges the splits by LSE
-// and writes out and lse. The counters belong to the call site and are
-// zeroed once, when the host allocates them, so a launch needs no memset
-// before it. The index rules (end-aligned causal among the T rows, window,
-// key lengths) are those of attention_common.cuh.
+// merged by their maxima through shared memory. A segment that is its unit's
+// whole walk writes out and lse; the others write their partial state, and
+// the last of a unit's segments to finish merges them (attention_split.cuh).
+// The index rules (end-aligned causal among the T rows, window, key lengths)
+// are attention_rules.h's.
 //
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (1, 2,
-// 4 or 8), the rows a block holds; FA_PATH 75 or 80 as above. FA_GENERAL
-// does not apply: any scale and the soft cap are handled at run time; bias
-// and mask are not supported (the host never sends them here). H need only
-// be a multiple of 8 up to FA_HEAD_DIM.
+// 4 or 8), the rows a block holds; FA_KERNEL_SM 75 or 80, the build. Any
+// scale and the soft cap are handled at run time; bias and mask are not
+// supported (the host never sends them here). H need only be a multiple of 8
+// up to FA_HEAD_DIM.
 #include "attention_m16n8.cuh"
 
 namespace {
 
 constexpr int kRows = FA_DECODE_ROWS;
 constexpr int kH = FA_HEAD_DIM;
-static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8, "rows");
-static_assert(kH % 32 == 0 && kH >= 32 && kH <= 256, "head dim");
+constexpr FaTile kTile = fa_decode_tile(FA_KERNEL_SM, kRows, kH, __CUDA_ARCH__);
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
-#if FA_PATH >= 80
-constexpr int kTileKeys = 16;             // keys per warp per tile (one k16 step of P V)
-constexpr int kRowChunks = kChunks + 1;   // padded shared-memory row: see attention_mma16.cu
-constexpr int kTileBytes = kTileKeys * kRowChunks * 16;  // of K, and again of V
-// Shared memory a block may take, less its static arrays.
-#if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
-constexpr int kSmemBudget = 163 * 1024 - 8 * 1024;
-#elif __CUDA_ARCH__ >= 900
-constexpr int kSmemBudget = 227 * 1024 - 8 * 1024;
+// Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
+// per warp while the other is computed) and as many warps (up to 8) as
+// shared memory allows. Measured on the H100 at H = 128 (B = 1 / 8, S = 4K
+// and 256K): 8 warps x 2 stages beat 4 warps x 3, 4, 5 or 6 stages and 8 x
+// 3, by up to 9% at S = 4K and 1-2% at 256K.
+constexpr int kWarps = kTile.threads / 32;
+constexpr int kThreads = kTile.threads;
+constexpr int kKeysPerIter = kTile.block_n;
+constexpr int kSmemBytes = kTile.smem_bytes;
+#if FA_KERNEL_SM >= 80
+constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16 step of P V)
+constexpr int kRowChunks = kChunks + 1;       // padded shared-memory row: see attention_mma16.cu
+constexpr int kTileBytes = fa_decode_tile_bytes(kH);  // of K, and again of V
+constexpr int kStages = kFaDecodeStages;
 #else
-constexpr int kSmemBudget = 99 * 1024 - 8 * 1024;  // sm_86 / sm_89
-#endif
-// Two stages (one tile in flight per warp while the other is computed) and
-// as many warps (up to 8) as shared memory allows. Measured on the H100 at
-// H = 128 (B = 1 / 8, S = 4K and 256K): 8 warps x 2 stages beat 4 warps x
-// 3, 4, 5 or 6 stages and 8 x 3, by up to 9% at S = 4K and 1-2% at 256K.
-constexpr int kStages = 2;
-__host__ __device__ constexpr int ring_bytes(int warps) { return warps * kStages * 2 * kTileBytes; }
-constexpr int kWarps = ring_bytes(8) <= kSmemBudget ? 8 : ring_bytes(4) <= kSmemBudget ? 4 : 2;
-static_assert(ring_bytes(kWarps) <= kSmemBudget, "K/V ring does not fit");
-constexpr int kRingBytes = ring_bytes(kWarps);
-constexpr int kKeysPerIter = kWarps * kTileKeys;
-#else
-constexpr int kWarps = 4;
-constexpr int kLanesPerKey = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+constexpr int kLanesPerKey = fa_decode_lanes_per_key(kH);
 constexpr int kKeysPerWarp = 32 / kLanesPerKey;
 // Plain loads of kSteps steps into registers, all issued before any is used;
 // more rows mean more registers for q and O, and more math per byte to hide
 // the latency behind. (One row with 8 steps made ptxas cap sm_75 at 96
 // registers and spill.)
-constexpr int kSteps = kRows == 2 ? 8 : kRows == 8 ? 2 : 4;
-constexpr int kRingBytes = 0;
-constexpr int kKeysPerIter = kWarps * kKeysPerWarp * kSteps;
+constexpr int kSteps = fa_decode_steps(kRows);
 #endif
-constexpr int kThreads = 32 * kWarps;
-// The warps' O rows, in the dynamic shared memory (over the ring, once the
-// walk is done).
-constexpr int kWarpRowsBytes = kWarps * kRows * kH * 4;
-constexpr int kSmemBytes = kRingBytes > kWarpRowsBytes ? kRingBytes : kWarpRowsBytes;
-// The splits' partial rows the merging block has in flight at once: 16 (80
-// registers), but 8 in the CUDA-core build with one row, where ptxas capped
-// the registers at 128 and spilled at H = 256 for sm_90 (with two rows, 8
-// made it spill on sm_75/80/86 instead).
-constexpr int kMergeLoads = FA_PATH < 80 && kRows == 1 ? 8 : 16;
+// The segments' partial rows the merging block has in flight at once: 16 (80
+// registers), but 8 in the CUDA-core build, where ptxas caps the registers
+// sooner (one row: at 128; eight rows: the walk holds q and O of all eight),
+// and 16 spilled.
+constexpr int kMergeLoads = FA_KERNEL_SM < 80 ? 8 : 16;
 
 struct alignas(16) Chunk {
   unsigned w[4];
 };
-
-// Floats written by another block of this launch: read from L2, not L1.
-__device__ __forceinline__ float load_l2(const float* ptr) {
-  float x;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(x) : "l"(ptr));
-  return x;
-}
-
-__device__ __forceinline__ void load_l2(const float* ptr, float (&x)[4]) {
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "l"(ptr));
-}
-
-// out[at .. at + 3] in FA_OUT_DTYPE.
-__device__ __forceinline__ void store_quad(void* out, long long at, const float (&x)[4]) {
-#pragma unroll
-  for (int f = 0; f < 4; f += 2) {
-#if FA_OUT_DTYPE == 2
-    static_cast<float*>(out)[at + f] = x[f];
-    static_cast<float*>(out)[at + f + 1] = x[f + 1];
-#elif FA_OUT_DTYPE == 1
-    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
-        fa_pack_bf16(x[f], x[f + 1]);
-#else
-    *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
-        fa_pack_f16(x[f], x[f + 1]);
-#endif
-  }
-}
 
 // (m, l) of two online softmaxes over disjoint keys -> the merged one; the
 // weights a and c to apply to their O.
@@ -153,19 +108,27 @@ struct DecodeBlock {
   const unsigned short* v_head;
   long long key_stride;
 
-  // Row r's index in the (B * T * N, H) query and out, (B * T * N) lse.
-  __device__ long long row_of(const FaParams& p, int r) const {
-    return (long long)(b * p.T + r / G) * p.N + kvh * G + r % G;
+  // Row r's offset (elements) in q / out, and in lse.
+  __device__ long long q_at(const FaDecodeParams& p, int r) const {
+    return fa_at(p.q_stride, b, r / G, kvh * G + r % G);
+  }
+  __device__ long long out_at(const FaDecodeParams& p, int r) const {
+    return fa_at(p.out_stride, b, r / G, kvh * G + r % G);
+  }
+  __device__ long long lse_at(const FaDecodeParams& p, int r) const {
+    return fa_at(p.lse_stride, b, r / G, kvh * G + r % G);
   }
   // Logit x of row r and key j: soft cap, then the index rules on `edge`.
-  __device__ float logit(const FaParams& p, float x, int r, int j, bool edge) const {
+  __device__ float logit(const FaDecodeParams& p, float x, int r, int j, bool edge) const {
     if (softcap2 > 0.f) x = softcap2 * fa_tanh(x / softcap2);
-    if (edge && !(j < k1 && (!per_row || fa_visible(p, p.T, kv_len, r / G, j)))) x = FA_NEG_INF;
+    if (edge && !(j < k1 && (!per_row || fa_visible(p.rules, p.T, kv_len, r / G, j)))) {
+      x = FA_NEG_INF;
+    }
     return x;
   }
 };
 
-#if FA_PATH >= 80
+#if FA_KERNEL_SM >= 80
 // fa_cp_async16 that also has L2 fetch the whole 256-byte block around src
 // (a key row at H = 128; the neighbouring rows belong to the blocks of the
 // other key/value heads, which run alongside): B = 8, S = 256K went from
@@ -178,7 +141,7 @@ __device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src, boo
 // Walks the block's keys on tensor cores (see the top of the file) and leaves
 // each warp's unnormalized O rows in s_o[warp], its row maxima and sums
 // (log2 domain) in s_m[warp] and s_l[warp].
-__device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& d,
+__device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeBlock& d,
                                           float (*s_o)[kRows][kH], float (*s_m)[kRows],
                                           float (*s_l)[kRows], Chunk* smem) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -187,7 +150,7 @@ __device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& 
   // Q as the A operand: row g (if < rows) in A rows 0..7, zeros in 8..15;
   // qa[kk] = {a0, a2} of k16 step kk.
   unsigned qa[kH / 16][2];
-  const unsigned short* q_row = static_cast<const unsigned short*>(p.q) + d.row_of(p, g) * p.H;
+  const unsigned short* q_row = static_cast<const unsigned short*>(p.q) + d.q_at(p, g);
 #pragma unroll
   for (int kk = 0; kk < kH / 16; ++kk) {
 #pragma unroll
@@ -313,8 +276,8 @@ __device__ __forceinline__ void unpack(const Chunk& c, float (&f)[8]) {
 }
 
 // Walks the block's keys on CUDA cores (see the top of the file); leaves the
-// same as the FA_PATH 80 walk.
-__device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& d,
+// same as build 80's walk.
+__device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeBlock& d,
                                           float (*s_o)[kRows][kH], float (*s_m)[kRows],
                                           float (*s_l)[kRows], Chunk*) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -326,7 +289,7 @@ __device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& 
   for (int r = 0; r < kRows; ++r) {
     Chunk c{};
     if (r < d.rows && active) {
-      const long long at = d.row_of(p, r) * p.H + chunk * 8;
+      const long long at = d.q_at(p, r) + chunk * 8;
       c = *reinterpret_cast<const Chunk*>(static_cast<const unsigned short*>(p.q) + at);
     }
     unpack(c, q[r]);
@@ -443,9 +406,9 @@ __device__ __forceinline__ void walk_keys(const FaParams& p, const DecodeBlock& 
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[4] = {kRows, kThreads, kSmemBytes, kKeysPerIter};
+extern "C" __constant__ int fa_params_bytes = sizeof(FaDecodeParams);
 
-#if FA_PATH >= 80
+#if FA_KERNEL_SM >= 80
 // One block per multiprocessor is the design point (kWarps fills shared
 // memory); without the 1, ptxas capped H = 96 at 128 registers and spilled.
 #define FA_DECODE_BOUNDS __launch_bounds__(kThreads, 1)
@@ -453,124 +416,145 @@ extern "C" __constant__ int fa_launch[4] = {kRows, kThreads, kSmemBytes, kKeysPe
 #define FA_DECODE_BOUNDS __launch_bounds__(kThreads)
 #endif
 
-extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaParams p) {
+extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   extern __shared__ Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
-  __shared__ int s_last;
 
-  // Block (b, split, kvh), kvh fastest: the K blocks that read the same keys
-  // (each 2 H bytes of every K H-element key row) run side by side.
   DecodeBlock d;
-  d.kvh = blockIdx.x % p.K;
-  const int split = blockIdx.x / p.K % p.kv_splits;
-  d.b = blockIdx.x / p.K / p.kv_splits;
-  const int bk = d.b * p.K + d.kvh;
   d.G = p.N / p.K;
   d.rows = p.T * d.G;
-  d.kv_len = fa_kv_len(p, d.b);
-  // This split's keys: a contiguous share, in whole iterations' worth.
-  int lo, hi;
-  fa_key_range(p, d.b, 0, p.T, &lo, &hi);
-  const int all_iters = hi > lo ? (hi - lo + kKeysPerIter - 1) / kKeysPerIter : 0;
-  const int per = (all_iters + p.kv_splits - 1) / p.kv_splits * kKeysPerIter;
-  d.k0 = min(hi, lo + split * per);
-  d.k1 = min(hi, d.k0 + per);
-  d.per_row = (p.causal && p.T > 1) || p.window_left >= 0 || p.window_right >= 0;
-  d.scale2 = p.scale * kFaLog2e;
-  d.softcap2 = p.softcap * kFaLog2e;
-  d.key_stride = (long long)p.K * p.H;
-  const long long head_at = ((long long)d.b * p.S * p.K + d.kvh) * p.H;
-  d.k_head = static_cast<const unsigned short*>(p.k) + head_at;
-  d.v_head = static_cast<const unsigned short*>(p.v) + head_at;
+  d.per_row = (p.rules.causal && p.T > 1) || p.rules.window_left >= 0 ||
+              p.rules.window_right >= 0;
+  d.scale2 = p.rules.scale * kFaLog2e;
+  d.softcap2 = p.rules.softcap * kFaLog2e;
+  d.key_stride = p.kv_stride[1];
 
-  walk_keys(p, d, s_o, s_m, s_l, smem);
-  __syncthreads();
-
-  // The block's rows, four columns per thread: normalized O and the
-  // log2-domain LSE.
-  const int rows = d.rows, quads = p.H / 4;
-  const bool split_kv = p.kv_splits > 1;
-  const long long part = (long long)bk * p.kv_splits + split;
-  for (int i = threadIdx.x; i < rows * quads; i += kThreads) {
-    const int r = i / quads, e = 4 * (i % quads);
-    float mx = s_m[0][r], sum = s_l[0][r], a, c, x[4];
-#pragma unroll
-    for (int f = 0; f < 4; ++f) x[f] = s_o[0][r][e + f];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      merge_stats(mx, sum, s_m[w][r], s_l[w][r], a, c);
-#pragma unroll
-      for (int f = 0; f < 4; ++f) x[f] = x[f] * a + s_o[w][r][e + f] * c;
+  // The block's walk through the lean partition: the steps (kKeysPerIter
+  // keys each) of all B * K units, a unit of batch b taking those of the keys
+  // [lo, hi) its T rows see, at least one (an empty unit still writes its
+  // rows: zeros and -inf). Kept in shared memory, not in registers across the
+  // walks.
+  struct Lean {
+    long long steps;       // W, of all units
+    long long start, end;  // the unit's first step; the block's share ends at `end`
+    int blocks;            // of the partition
+    int b, kvh, lo, hi, unit_steps, s0;  // the unit; s0: the block's first step in it
+    // The units whose segments this block merges once its walks are done: at
+    // most the two at the ends of its share (those between are whole).
+    int merges;
+    struct {
+      int b, kvh, segments;
+      long long first;  // slot
+    } merge[2];
+  };
+  __shared__ Lean s_lean;
+  auto batch_steps = [&](int b, int* lo, int* hi) {
+    fa_rows_keys(p.rules, p.T, fa_kv_len(p, b), 0, p.T, lo, hi);
+    return max(1, (*hi - *lo + kKeysPerIter - 1) / kKeysPerIter);
+  };
+  if (threadIdx.x == 0) {
+    Lean l;
+    l.steps = 0;
+    for (int b = 0; b < p.B; ++b) l.steps += (long long)p.K * batch_steps(b, &l.lo, &l.hi);
+    // The grid was sized for S keys per sequence; shorter ones leave fewer
+    // steps, and blocks past them idle (every block of the partition then
+    // has at least one step, so a unit's segments are those of consecutive
+    // blocks).
+    l.blocks = static_cast<int>(min((long long)p.split.parts, l.steps));
+    const long long w0 = fa_lean_start(blockIdx.x, l.steps, l.blocks);
+    l.end = fa_lean_start(blockIdx.x + 1, l.steps, l.blocks);
+    l.b = 0;
+    l.unit_steps = batch_steps(0, &l.lo, &l.hi);
+    l.start = 0;
+    while (l.start + (long long)p.K * l.unit_steps <= w0 && l.b + 1 < p.B) {
+      l.start += (long long)p.K * l.unit_steps;
+      l.unit_steps = batch_steps(++l.b, &l.lo, &l.hi);
     }
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    const float lse2 = sum == 0.f ? FA_NEG_INF : mx + fa_lg2(sum);
-    if (split_kv) {
-      float* dst = p.partial_out + (part * kRows + r) * p.H + e;
+    l.kvh = static_cast<int>((w0 - l.start) / l.unit_steps);
+    l.start += (long long)l.kvh * l.unit_steps;
+    l.s0 = static_cast<int>(w0 - l.start);
+    l.merges = 0;
+    s_lean = l;
+  }
+  __syncthreads();
+  if (static_cast<int>(blockIdx.x) >= s_lean.blocks) return;
+
+  const int quads = p.H / 4;
+  for (;;) {
+    // This block's segment of unit (b, kvh): its steps [s0, s1).
+    const int s0 = s_lean.s0;
+    const int s1 = static_cast<int>(min(s_lean.end - s_lean.start, (long long)s_lean.unit_steps));
+    d.b = s_lean.b;
+    d.kvh = s_lean.kvh;
+    d.kv_len = fa_kv_len(p, d.b);
+    d.k0 = min(s_lean.hi, s_lean.lo + s0 * kKeysPerIter);
+    d.k1 = min(s_lean.hi, s_lean.lo + s1 * kKeysPerIter);
+    const long long kv_at = fa_at(p.kv_stride, d.b, 0, d.kvh);
+    d.k_head = static_cast<const unsigned short*>(p.k) + kv_at;
+    d.v_head = static_cast<const unsigned short*>(p.v) + kv_at;
+
+    walk_keys(p, d, s_o, s_m, s_l, smem);
+    __syncthreads();
+
+    // The segment's rows, four columns per thread: normalized O and the
+    // log2-domain LSE, final when the segment is the unit's whole walk.
+    const bool whole = s_lean.s0 == 0 && s_lean.end - s_lean.start >= s_lean.unit_steps;
+    const int unit = d.b * p.K + d.kvh;
+    const long long slot = (long long)blockIdx.x + unit;
+    for (int i = threadIdx.x; i < d.rows * quads; i += kThreads) {
+      const int r = i / quads, e = 4 * (i % quads);
+      float mx = s_m[0][r], sum = s_l[0][r], a, c, x[4];
 #pragma unroll
-      for (int f = 0; f < 4; ++f) dst[f] = x[f] * inv;
-      if (e == 0) p.partial_lse[part * kRows + r] = lse2;
-    } else {
+      for (int f = 0; f < 4; ++f) x[f] = s_o[0][r][e + f];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) {
+        merge_stats(mx, sum, s_m[w][r], s_l[w][r], a, c);
+#pragma unroll
+        for (int f = 0; f < 4; ++f) x[f] = x[f] * a + s_o[w][r][e + f] * c;
+      }
+      const float inv = sum == 0.f ? 0.f : 1.f / sum;
+      const float lse2 = sum == 0.f ? FA_NEG_INF : mx + fa_lg2(sum);
 #pragma unroll
       for (int f = 0; f < 4; ++f) x[f] *= inv;
-      store_quad(p.out, d.row_of(p, r) * p.H + e, x);
-      if (e == 0) p.lse[d.row_of(p, r)] = lse2 * kFaLn2;
+      if (whole) {
+        fa_store_quad(p.out, d.out_at(p, r) + e, x);
+        if (e == 0) p.lse[d.lse_at(p, r)] = lse2 * kFaLn2;
+      } else {
+        fa_store_partial(p.split, p.H, slot, kRows, r, e, x, lse2);
+      }
     }
+    if (!whole) {
+      // The unit's segments are those of blocks [first, last], in slots
+      // first + unit on. Merged after the walks: in the loop, the merge's
+      // registers added to the walk's made ptxas spill from H = 192.
+      const int first = fa_lean_block(s_lean.start, s_lean.steps, s_lean.blocks);
+      const int last =
+          fa_lean_block(s_lean.start + s_lean.unit_steps - 1, s_lean.steps, s_lean.blocks);
+      if (fa_last_segment(p.split.counters + unit, last - first + 1, [] { __syncthreads(); }) &&
+          threadIdx.x == 0) {
+        s_lean.merge[s_lean.merges++] = {d.b, d.kvh, last - first + 1, (long long)first + unit};
+      }
+    }
+    // The next unit, if the share goes on; the next walk's rings lie over s_o.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      Lean& l = s_lean;
+      l.start += l.unit_steps;
+      l.s0 = 0;
+      if (++l.kvh == p.K) {
+        l.kvh = 0;
+        if (l.start < l.end) l.unit_steps = batch_steps(++l.b, &l.lo, &l.hi);
+      }
+    }
+    __syncthreads();
+    if (s_lean.start >= s_lean.end) break;
   }
-  if (!split_kv) return;
-
-  // The last split of (b, kvh) to finish merges them all.
-  __threadfence();
-  __syncthreads();
-  // atomicInc wraps at kv_splits - 1: the last split's count sets the counter
-  // back to 0, ready for the next launch.
-  const unsigned last = p.kv_splits - 1;
-  if (threadIdx.x == 0) s_last = atomicInc(p.counters + bk, last) == last;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  // Merge the splits' rows by their LSE, four columns per thread, as an
-  // online softmax over the splits: each split's LSE is loaded with its O
-  // quad (one round trip to L2 per kMergeLoads splits, not one for the
-  // weights and another for O).
-  const float* lse_parts = p.partial_lse + (long long)bk * p.kv_splits * kRows;
-  const float* o_parts = p.partial_out + (long long)bk * p.kv_splits * kRows * p.H;
-  for (int i = threadIdx.x; i < rows * quads; i += kThreads) {
-    const int r = i / quads, e = 4 * (i % quads);
-    float mx = FA_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = 0; s0 < p.kv_splits; s0 += kMergeLoads) {
-      float lse2[kMergeLoads], x[kMergeLoads][4];
-#pragma unroll
-      for (int s = 0; s < kMergeLoads; ++s) {
-        lse2[s] = FA_NEG_INF;
-        if (s0 + s < p.kv_splits) {
-          lse2[s] = load_l2(lse_parts + (s0 + s) * kRows + r);
-          load_l2(o_parts + ((long long)(s0 + s) * kRows + r) * p.H + e, x[s]);
-        }
-      }
-      float m_new = mx;
-#pragma unroll
-      for (int s = 0; s < kMergeLoads; ++s) m_new = fmaxf(m_new, lse2[s]);
-      const float mu = m_new == FA_NEG_INF ? 0.f : m_new;  // all empty: weights 0
-      const float alpha = fa_ex2(mx - mu);
-      sum *= alpha;
-#pragma unroll
-      for (int f = 0; f < 4; ++f) acc[f] *= alpha;
-#pragma unroll
-      for (int s = 0; s < kMergeLoads; ++s) {
-        if (s0 + s < p.kv_splits) {
-          const float w = fa_ex2(lse2[s] - mu);
-          sum += w;
-#pragma unroll
-          for (int f = 0; f < 4; ++f) acc[f] = fmaf(w, x[s][f], acc[f]);
-        }
-      }
-      mx = m_new;
-    }
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-#pragma unroll
-    for (int f = 0; f < 4; ++f) acc[f] *= inv;
-    store_quad(p.out, d.row_of(p, r) * p.H + e, acc);
-    if (e == 0) p.lse[d.row_of(p, r)] = sum == 0.f ? FA_NEG_INF : (mx + fa_lg2(sum)) * kFaLn2;
+  for (int m = 0; m < s_lean.merges; ++m) {
+    d.b = s_lean.merge[m].b;
+    d.kvh = s_lean.merge[m].kvh;
+    fa_merge_segments<kMergeLoads>(
+        p, p.split, s_lean.merge[m].first, s_lean.merge[m].segments, kRows, d.rows, threadIdx.x,
+        kThreads, [&](int r) { return d.out_at(p, r); }, [&](int r) { return d.lse_at(p, r); });
   }
 }

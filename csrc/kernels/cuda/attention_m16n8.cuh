@@ -3,7 +3,7 @@
 // (the tiling-mask of a boundary tile, one online softmax step, and the final
 // normalize-and-write). Used by attention_mma16.cu (mma.m16n8k16 / m16n8k8),
 // attention_wgmma.cu (wgmma m64nN, whose accumulators each warp holds in the
-// same layout for its 16 rows) and attention_decode.cu's FA_PATH 80 build.
+// same layout for its 16 rows) and attention_decode.cu's build 80.
 //
 // For a 16-row tile a thread (g = lane / 4, t4 = lane % 4) holds, per block
 // nt of 8 columns, c[nt][0..1] at row row0 = (tile row) + g and columns
@@ -11,7 +11,7 @@
 // per thread: the four threads of a quad share a row and combine by shuffles.
 #pragma once
 
-#include "attention_common.cuh"
+#include "attention_split.cuh"
 
 // ldmatrix of four 8x8 16-bit matrices (.trans: each transposed) from the
 // shared-memory rows whose addresses lanes 8i .. 8i + 7 give, into r[i].
@@ -29,7 +29,7 @@ __device__ __forceinline__ void fa_ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
 // c += a (16x16, row) * b (16x8, col) in float32.
 __device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
                                          unsigned b0, unsigned b1) {
-#if FA_PATH == 80
+#if FA_KERNEL_SM == 80
 #if FA_DTYPE == 1
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
@@ -58,24 +58,17 @@ __device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
 #endif
 }
 
-constexpr float kFaLog2e = 1.4426950408889634f;
-constexpr float kFaLn2 = 0.6931471805599453f;
-
 // Sets to -inf the logits of keys [n0, n0 + 8 kNs) that the index rules hide
-// from rows row0 and row0 + 8: under them each row sees one interval of keys
-// [jlo, jhi), so an element costs two compares.
+// from rows row0 and row0 + 8: each row sees one interval of keys [lo, hi)
+// (fa_row_keys), so an element costs two compares.
 template <int kNs>
-__device__ __forceinline__ void fa_mask_rows(const FaParams& p, float (&s)[kNs][4], int row0,
+__device__ __forceinline__ void fa_mask_rows(const FaRules& rules, float (&s)[kNs][4], int row0,
                                              int n0, int q_len, int kv_len, int t4) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int i = row0 + h * 8;
-    const long long pos = (long long)i + fa_pos_shift(p, q_len, kv_len);
-    long long jhi = i < q_len ? kv_len : 0, jlo = 0;
-    if (p.causal) jhi = min(jhi, pos + 1);
-    if (p.window_right >= 0) jhi = min(jhi, pos + p.window_right + 1);
-    if (p.window_left >= 0) jlo = pos - p.window_left;
-    const int lo_i = (int)max(jlo - n0, -1LL), hi_i = (int)max(jhi - n0, -1LL);
+    int lo, hi;
+    fa_row_keys(rules, q_len, kv_len, row0 + h * 8, &lo, &hi);
+    const int lo_i = max(lo - n0, -1), hi_i = max(hi - n0, -1);
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt)
 #pragma unroll
@@ -90,10 +83,10 @@ __device__ __forceinline__ void fa_mask_rows(const FaParams& p, float (&s)[kNs][
 // over the key tile at n0: turns the Q K^T accumulators s into probabilities
 // (log2 domain, one ex2 per logit), updates the row maximum m and partial sum
 // l, and returns in alpha the factor the output rows must be rescaled by
-// (fa_rescale_rows). Plain variants (FA_GENERAL 0) keep unscaled logits and
-// maxima, to_log2 = scale * log2(e) > 0 taking them to the log2 domain in the
-// same fma that subtracts the maximum; general variants map each visible
-// logit through fa_general_logit first and pass to_log2 = 1.
+// (fa_rescale_rows). Variants without extras (FA_EXTRAS 0) keep unscaled
+// logits and maxima, to_log2 = scale * log2(e) > 0 taking them to the log2
+// domain in the same fma that subtracts the maximum; those with extras map
+// each visible logit through fa_extras_logit first and pass to_log2 = 1.
 template <int kNs>
 __device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[kNs][4],
                                                  float (&m)[2], float (&l)[2],
@@ -108,11 +101,11 @@ __device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[k
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float x = s[nt][2 * h + e];
-#if FA_GENERAL
+#if FA_EXTRAS
         // Masked keys stay -inf; bias / mask are read only for visible
         // (i, j), the only ones in bounds.
         if (x != FA_NEG_INF)
-          x = fa_general_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kFaLog2e;
+          x = fa_extras_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kFaLog2e;
         s[nt][2 * h + e] = x;
 #endif
         mx = fmaxf(mx, x);
@@ -176,14 +169,16 @@ __device__ __forceinline__ void fa_pack_a(const float (&s)[kNs][4], int kk, unsi
   a[3] = fa_pack_in(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
-// Normalizes rows row0 and row0 + 8 (those < T) and writes them to out
-// (FA_OUT_DTYPE) and their natural-log LSE to lse, as rows of batch b (the
-// block's fa_out_batch). Rows with no visible key
-// have l == 0 exactly: they get 0 and -inf.
+// Normalizes rows row0 and row0 + 8 of a unit whose first row is m0 (those
+// < T) and writes them: unsplit (slot < 0), out and lse of (b, row, n);
+// split, the segment's partial state in workspace slot `slot`
+// (attention_split.cuh). Rows with no visible key have l == 0 exactly: they
+// get 0 and -inf.
 template <int kNo>
 __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o)[kNo][4],
                                               const float (&m)[2], const float (&l)[2],
-                                              int b, int n, int row0, int t4, float to_log2) {
+                                              int b, int n, int m0, int block_m, int row0,
+                                              int t4, float to_log2, long long slot) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lh = l[h];
@@ -191,26 +186,41 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
     lh += __shfl_xor_sync(0xffffffffu, lh, 2);
     const int i = row0 + h * 8;
     const float inv = lh == 0.f ? 0.f : 1.f / lh;
-    if (i < p.T) {
-      const long long row = ((long long)b * p.T + i) * p.N + n;
-      if (t4 == 0) p.lse[row] = lh == 0.f ? FA_NEG_INF : (m[h] * to_log2 + fa_lg2(lh)) * kFaLn2;
+    const float lse2 = lh == 0.f ? FA_NEG_INF : m[h] * to_log2 + fa_lg2(lh);
+    if (i >= p.T) continue;
+    if (slot >= 0) {
+      const long long row = slot * block_m + i - m0;
+      float* dst = p.split.partial_out + row * p.H;
+      if (t4 == 0) p.split.partial_lse[row] = lse2;
 #pragma unroll
       for (int nt = 0; nt < kNo; ++nt) {
-        const float x0 = o[nt][2 * h] * inv, x1 = o[nt][2 * h + 1] * inv;
-        const long long at = row * (kNo * 8) + nt * 8 + 2 * t4;
+        const int col = nt * 8 + 2 * t4;
+        if (col < p.H) {
+          dst[col] = o[nt][2 * h] * inv;
+          dst[col + 1] = o[nt][2 * h + 1] * inv;
+        }
+      }
+      continue;
+    }
+    if (t4 == 0) p.lse[fa_at(p.lse_stride, b, i, n)] = lse2 * kFaLn2;
+    const long long at = fa_at(p.out_stride, b, i, n);
+#pragma unroll
+    for (int nt = 0; nt < kNo; ++nt) {
+      const int col = nt * 8 + 2 * t4;
+      if (col >= p.H) continue;
+      const float x0 = o[nt][2 * h] * inv, x1 = o[nt][2 * h + 1] * inv;
 #if FA_OUT_DTYPE == 2
-        float* out = static_cast<float*>(p.out);
-        out[at] = x0;
-        out[at + 1] = x1;
+      float* out = static_cast<float*>(p.out) + at + col;
+      out[0] = x0;
+      out[1] = x1;
 #else
 #if FA_OUT_DTYPE == 1
-        const unsigned v = fa_pack_bf16(x0, x1);
+      const unsigned v = fa_pack_bf16(x0, x1);
 #else
-        const unsigned v = fa_pack_f16(x0, x1);
+      const unsigned v = fa_pack_f16(x0, x1);
 #endif
-        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at) = v;
+      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(p.out) + at + col) = v;
 #endif
-      }
     }
   }
 }

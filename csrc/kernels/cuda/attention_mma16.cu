@@ -1,5 +1,5 @@
-// Fused forward attention on 16-bit tensor cores: FA_PATH 80 (mma.m16n8k16,
-// fp16/bf16, cp.async pipeline) and FA_PATH 75 (fp16, each k16 step issued as
+// Fused forward attention on 16-bit tensor cores: kernel 80 (mma.m16n8k16,
+// fp16/bf16, cp.async pipeline) and kernel 75 (fp16, each k16 step issued as
 // two mma.m16n8k8, global loads staged through registers).
 //
 // Each block owns Br query rows of one (batch, head) and walks the key tiles
@@ -15,55 +15,35 @@
 // of 16, where an XOR swizzle would need H / 8 to be a power of two.
 #include "attention_m16n8.cuh"
 
-#if FA_PATH != 75 && FA_PATH != 80
-#error "attention_mma16.cu serves FA_PATH 75 and 80"
+#if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
+#error "attention_mma16.cu serves kernels 75 and 80"
 #endif
-#if FA_PATH == 75 && FA_DTYPE != 0
-#error "FA_PATH 75 is float16 only"
+#if FA_KERNEL_SM == 75 && FA_DTYPE != 0
+#error "kernel 75 is float16 only"
 #endif
 
 namespace {
 
 constexpr int kH = FA_HEAD_DIM;
-constexpr bool kPath75 = FA_PATH == 75;
-static_assert(kH % 32 == 0 && kH >= 32 && kH <= 256, "head dim");
+constexpr bool kPath75 = FA_KERNEL_SM == 75;
 constexpr int kRowBytes = kH * 2 + 16;  // padded smem row
 constexpr int kChunks = kH / 8;         // 16-byte chunks per row
 
-// Tile shape. Up to H=128, two m-tiles per warp halve the K/V shared-memory
-// reads per flop (each B fragment feeds two mma): with one, ldmatrix
-// bandwidth, not the tensor cores, is the limit (bf16 on an H100 at S=16384:
-// path 80 went from 212 to 286 TFLOP/s at H=64 and from 275 to 307 at H=128;
-// path 75 from 147 to 192 at H=128). The accumulators of two m-tiles leave no registers for
-// Q fragments, which are reloaded from shared memory at every k-step, nor for
-// path 75's prefetched tile.
-constexpr int kWarps = 4;
-constexpr int kMt = kH <= 128 ? 2 : 1;
-#if FA_PATH == 80
-constexpr int kStages = 2;
-#if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
-constexpr int kSmemBudget = 163 * 1024;
-#elif __CUDA_ARCH__ >= 900
-constexpr int kSmemBudget = 227 * 1024;
-#else
-constexpr int kSmemBudget = 99 * 1024;  // sm_86 / sm_89
-#endif
-#else
-constexpr int kStages = 1;              // no cp.async: see kPrefetch
-constexpr int kSmemBudget = 64 * 1024;  // T4
-#endif
-
-constexpr int kThreads = kWarps * 32;
-constexpr int kBr = kWarps * 16 * kMt;
-__host__ __device__ constexpr int smem_for(int bc) { return (kBr + kStages * 2 * bc) * kRowBytes; }
-// Bc: as wide as registers allow (S and, on path 75, the prefetched tile
-// grow with it), then as shared memory allows.
-constexpr int kBcMax = kPath75 ? (kH <= 64 ? 64 : kH <= 160 ? 32 : 16)
-                             : (kH <= 64 ? 64 : 32);
-constexpr int kBc = kBcMax >= 64 && smem_for(64) <= kSmemBudget ? 64
-                  : kBcMax >= 32 && smem_for(32) <= kSmemBudget ? 32 : 16;
-static_assert(smem_for(kBc) <= kSmemBudget, "tile does not fit");
-constexpr int kSmem = smem_for(kBc);
+// Tile shape (attention_tiles.cuh). Up to H=128, two m-tiles per warp halve
+// the K/V shared-memory reads per flop (each B fragment feeds two mma): with
+// one, ldmatrix bandwidth, not the tensor cores, is the limit (bf16 on an
+// H100 at S=16384: kernel 80 went from 212 to 286 TFLOP/s at H=64 and from
+// 275 to 307 at H=128; kernel 75 from 147 to 192 at H=128). The accumulators
+// of two m-tiles leave no registers for Q fragments, which are reloaded from
+// shared memory at every k-step, nor for kernel 75's prefetched tile.
+constexpr FaTile kTile = fa_forward_tile(FA_KERNEL_SM, kH, FA_EXTRAS, __CUDA_ARCH__);
+constexpr int kWarps = kTile.threads / 32;
+constexpr int kThreads = kTile.threads;
+constexpr int kMt = fa_mma16_m_tiles(kH);
+constexpr int kStages = fa_mma16_stages(FA_KERNEL_SM);
+constexpr int kBr = kTile.block_m;
+constexpr int kBc = kTile.block_n;
+constexpr int kSmem = kTile.smem_bytes;
 constexpr int kKs = kH / 16;   // k16 steps of Q K^T
 constexpr int kNs = kBc / 8;   // n8 tiles of S
 constexpr int kNo = kH / 8;    // n8 tiles of O
@@ -73,7 +53,7 @@ struct alignas(16) U4 {
   unsigned x, y, z, w;
 };
 
-#if FA_PATH == 80
+#if FA_KERNEL_SM == 80
 template <int ROWS>
 __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
                                            int tid) {
@@ -82,10 +62,10 @@ __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
     const int c = tid + i * kThreads;
     if (ROWS * kChunks % kThreads != 0 && c >= ROWS * kChunks) break;
     const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < s.rows_valid;
+    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
     // 32-bit offsets: a tile spans < 2^31 elements, and 64-bit ones per
     // chunk would pin dozens of registers across the loop.
-    const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
+    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
     fa_cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
   }
 }
@@ -102,8 +82,8 @@ struct TileRegs {
       int c = tid + i * kThreads;
       const int r = c / kChunks, ch = c % kChunks;
       v[i] = U4{0, 0, 0, 0};
-      if (c < ROWS * kChunks && r < s.rows_valid)
-        v[i] = *reinterpret_cast<const U4*>(s.base + r * s.ld + ch * 8);
+      if (c < ROWS * kChunks && r < s.rows_valid && ch * 8 < s.cols)
+        v[i] = *reinterpret_cast<const U4*>(s.base + r * (int)s.ld + ch * 8);
     }
   }
   __device__ __forceinline__ void store(unsigned char* dst, int tid) const {
@@ -119,7 +99,7 @@ struct TileRegs {
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[4] = {kBr, kThreads, kSmem, kBc};
+extern "C" __constant__ int fa_params_bytes = sizeof(FaParams);
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fa_forward(const FaParams p) {
@@ -132,24 +112,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int q_len = blk.q_len, kv_len = blk.kv_len;
 
   int lo, hi;
-  fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
+  fa_rows_keys(p.rules, q_len, kv_len, m0, m0 + kBr, &lo, &hi);
   // This warp's rows: tiles it cannot see at all are skipped, tiles it sees
   // whole skip the elementwise mask.
   const int w0 = m0 + warp * 16 * kMt, w1 = w0 + 16 * kMt;
   int wlo, whi;
-  fa_key_range(p, b, w0, w1, &wlo, &whi);
+  fa_rows_keys(p.rules, q_len, kv_len, w0, w1, &wlo, &whi);
   int t_begin, t_end;
   fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
-  fa_split_tiles(p, blk.split, &t_begin, &t_end);
+  fa_split_tiles(blk.split, p.split.parts, &t_begin, &t_end);
 
-  const long long ld_q = (long long)p.N * kH, ld_kv = (long long)p.K * kH;
   // K / V tile sources, their bases recomputed from the parameters each time
   // rather than held in registers across the loop.
   auto kv_src = [&](const void* kv, int tile) {
     const int j0 = tile * kBc;
-    return FaTileSrc{static_cast<const unsigned short*>(kv) +
-                         ((long long)b * p.S + j0) * ld_kv + kvh * kH,
-                     (int)ld_kv, kv_len - j0};
+    return FaTileSrc{static_cast<const unsigned short*>(kv) + fa_at(p.kv_stride, b, j0, kvh),
+                     p.kv_stride[1], kv_len - j0, p.H};
   };
 
   const unsigned sbase = fa_smem_u32(smem);
@@ -177,17 +155,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     row_m[mt][0] = row_m[mt][1] = FA_NEG_INF;
     row_l[mt][0] = row_l[mt][1] = 0.f;
   }
-  // Plain variants keep raw Q K^T logits and their row maxima (scale > 0, so
-  // the maxima commute with scaling): one fma per element takes a logit to
-  // the log2 domain and subtracts the maximum. General variants have already
-  // mapped every logit to the log2 domain.
-  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
+  // Variants without extras keep raw Q K^T logits and their row maxima
+  // (scale > 0, so the maxima commute with scaling): one fma per element
+  // takes a logit to the log2 domain and subtracts the maximum. Those with
+  // extras have already mapped every logit to the log2 domain.
+  const float to_log2 = FA_EXTRAS ? 1.f : p.rules.scale * kFaLog2e;
 
   if (t_end > t_begin) {
-    const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) +
-                             ((long long)b * p.T + m0) * ld_q + n * kH,
-                         (int)ld_q, p.T - m0};
-#if FA_PATH == 80
+    const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) + fa_at(p.q_stride, b, m0, n),
+                         p.q_stride[1], p.T - m0, p.H};
+#if FA_KERNEL_SM == 80
     tile_async<kBr>(sq, qsrc, tid);
     tile_async<kBc>(sk(0), kv_src(p.k, t_begin), tid);
     tile_async<kBc>(sv(0), kv_src(p.v, t_begin), tid);
@@ -209,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = t_begin; tile < t_end; ++tile) {
       const int n0 = tile * kBc;
       const bool has_next = tile + 1 < t_end;
-#if FA_PATH == 80
+#if FA_KERNEL_SM == 80
       const int st = (tile - t_begin) & 1;
       if (has_next) {
         tile_async<kBc>(sk(st ^ 1), kv_src(p.k, tile + 1), tid);
@@ -230,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       // in plain variants up to H=64 (+15% on an H100), after it otherwise
       // (it would spill).
       constexpr bool kPrefetch = kMt == 1 && kH <= 192;
-      constexpr bool kEarlyV = kPrefetch || (kH <= 64 && !FA_GENERAL);
+      constexpr bool kEarlyV = kPrefetch || (kH <= 64 && !FA_EXTRAS);
       TileRegs<kBc> nk;
       if (kPrefetch && has_next) nk.load(kv_src(p.k, tile + 1), tid);
 #endif
@@ -263,11 +240,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
         // The online softmax. Boundary tiles mask in a separate pass so that
         // whole tiles pay nothing for it.
-        const bool all_vis = fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc);
-        if (!all_vis) {
+        if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc)) {
 #pragma unroll
           for (int mt = 0; mt < kMt; ++mt)
-            fa_mask_rows(p, s[mt], w0 + mt * 16 + g, n0, q_len, kv_len, t4);
+            fa_mask_rows(p.rules, s[mt], w0 + mt * 16 + g, n0, q_len, kv_len, t4);
         }
 #pragma unroll
         for (int mt = 0; mt < kMt; ++mt)
@@ -275,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                           t4, to_log2);
       }
 
-#if FA_PATH == 75
+#if FA_KERNEL_SM == 75
       __syncthreads();  // every warp is done with K
       TileRegs<kBc> nv;
       if (has_next) {
@@ -305,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       __syncthreads();  // the buffers of this tile are free again
-#if FA_PATH == 75
+#if FA_KERNEL_SM == 75
       // Visible to the P V of the next tile after its first barrier.
       if (has_next) {
         if (!kEarlyV) nv.load(kv_src(p.v, tile + 1), tid);
@@ -315,7 +291,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  // The block's unit, recomputed rather than kept live across the loop.
+  const FaBlock end = fa_block(p, kBr);
+  const long long slot = fa_forward_slot(p, end);
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)
-    fa_write_rows(p, o[mt], row_m[mt], row_l[mt], fa_out_batch(p, kBr, b), n, w0 + mt * 16 + g, t4, to_log2);
+    fa_write_rows(p, o[mt], row_m[mt], row_l[mt], end.b, end.n, end.m0, kBr, w0 + mt * 16 + g,
+                  t4, to_log2, slot);
 }

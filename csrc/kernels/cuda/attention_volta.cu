@@ -4,11 +4,11 @@
 // unchanged on sm_75..sm_90, where m8n8k4 is emulated (correct but slow).
 //
 // Tiling. A CTA of kWarps warps owns Br = kBr query rows of one (b, n) and
-// walks the key tiles of Bc = kBc keys that fa_key_range allows (first level:
+// walks the key tiles of Bc = kBc keys that fa_rows_keys allows (first level:
 // the CTA shares each K/V tile through shared memory). Each warp owns a slice
 // of Bb = kRW rows and keeps its own online-softmax state in float32 registers
 // (second level); a warp skips the tiles outside its own key range and masks
-// elementwise only on tiles that fa_tile_all_visible rejects.
+// elementwise only on tiles that fa_all_visible rejects.
 //
 // mma.m8n8k4 (HMMA.884). A warp runs four independent 8x8x4 products, one
 // per quad pair QP q = lanes {4q..4q+3} (low quad, h = 0) and {4q+16..4q+19}
@@ -51,25 +51,26 @@
 // bank pairs. The padding keeps every fragment address a per-lane base plus an
 // immediate (an XOR swizzle would not). Tile copies store each 16-byte global
 // load as two 8-byte halves, grouped per half-warp as item_rc describes.
-#include "attention_common.cuh"
+#include "attention_split.cuh"
 
-#if FA_PATH != 70 || FA_DTYPE != 0
-#error "attention_volta.cu: FA_PATH 70, float16 operands only"
+#if FA_KERNEL_SM != 70 || FA_DTYPE != 0
+#error "attention_volta.cu: kernel 70, float16 operands only"
 #endif
 
 namespace {
 
 constexpr int kH = FA_HEAD_DIM;
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kRG = kH > 128 ? 2 : 4;  // row groups (of 8 rows) per warp
+constexpr FaTile kTile = fa_forward_tile(70, kH, FA_EXTRAS, __CUDA_ARCH__);
+constexpr int kThreads = kTile.threads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRG = fa_volta_row_groups(kH);  // row groups (of 8 rows) per warp
 constexpr int kHS = 4 / kRG;           // column parts of O per row group
 constexpr int kRW = 8 * kRG;           // Bb: rows per warp
-constexpr int kBr = kRW * kWarps;
-// Bc: S takes kBc registers per lane and the K/V prefetch kBc * H / 256.
-// 64 keys halve the barriers per key while O is small; 32 keep H = 128 at
-// 128 + 32 + 16, and 16 keep H >= 224 (O at 128 again) out of spills.
-constexpr int kBc = kH <= 64 ? 64 : kH < 224 ? 32 : 16;
+constexpr int kBr = kTile.block_m;     // kRW * kWarps
+// Bc (attention_tiles.cuh): 64 keys halve the barriers per key while O is
+// small; 32 keep H = 128 at 128 + 32 + 16 registers, and 16 keep H >= 224
+// (O at 128 again) out of spills.
+constexpr int kBc = kTile.block_n;
 constexpr int kS = kH / 4 + 1;         // row stride in 8-byte chunks
 constexpr int kNTS = kBc / 8;          // S n-tiles
 constexpr int kKS = kH / 4;            // QK^T k-steps
@@ -81,17 +82,11 @@ constexpr int kNTO = kH / 8 / kHS;     // O n-tiles per lane
 constexpr bool kInterleave = kHS == 2 && (2 * kNTO) % 16 == 0;
 constexpr int kChunksKV = kBc * kH / 8;  // 16-byte chunks of a K or V tile
 constexpr int kLoadsKV = (kChunksKV + kThreads - 1) / kThreads;
-constexpr int kSmemQ = kBr * kS * 8;
-constexpr int kSmemKV = kBc * kS * 8;
+constexpr int kSmemQ = fa_volta_tile_bytes(kBr, kH);
+constexpr int kSmemKV = fa_volta_tile_bytes(kBc, kH);
 // V100 gives 96 KB of shared memory to an SM: where Q, K and V would keep a
 // second CTA out (H = 128, 192), V reuses K's buffer for one more barrier.
-constexpr bool kOneKV = kSmemQ + 2 * kSmemKV > 48 * 1024;
-constexpr int kSmemBytes = kSmemQ + (kOneKV ? 1 : 2) * kSmemKV;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-static_assert(kH % 32 == 0 && kH <= 256, "head dim");
-static_assert(kSmemBytes <= 96 * 1024, "Volta allows 96 KB per block");
+constexpr bool kOneKV = fa_volta_one_kv(kH);
 
 // Index (in 8-byte chunks) of chunk c of row r.
 __device__ __forceinline__ int chunk_at(int r, int c) { return r * kS + c; }
@@ -158,11 +153,11 @@ __device__ __forceinline__ float shfl_xor2f(float x) {
 // read.
 template <int kRows>
 __device__ __forceinline__ void load_rows(uint2* dst, const unsigned short* src,
-                                          long long stride, int valid, int i) {
+                                          long long stride, int valid, int cols, int i) {
   int r, j;
   item_rc<kRows>(i, r, j);
   uint4 v = make_uint4(0, 0, 0, 0);
-  if (r < valid) v = *reinterpret_cast<const uint4*>(src + r * stride + j * 8);
+  if (r < valid && j * 8 < cols) v = *reinterpret_cast<const uint4*>(src + r * stride + j * 8);
   put16(dst, r, j, v);
 }
 
@@ -174,7 +169,7 @@ __device__ __forceinline__ int o_tile(int j, int part) {
 
 // S accumulators -> logits in log2 units. Element e of n-tile j is (row
 // row0 + (e & 2), key key0 + 8 j + (e & 4) + (e & 1)). Only tiles that
-// fa_tile_all_visible rejects (kMasked) test the index rules, and there hidden
+// fa_all_visible rejects (kMasked) test the index rules, and there hidden
 // elements are set to -inf, not computed: a NaN key stays out of the rows that
 // cannot see it, and bias / mask are never read out of range.
 template <bool kMasked>
@@ -186,18 +181,18 @@ __device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int i = row0 + (e & 2), key = key0 + j * 8 + (e & 4) + (e & 1);
-      const bool vis = !kMasked || fa_visible(p, q_len, kv_len, i, key);
-#if FA_GENERAL
-      s[j][e] = vis ? fa_general_logit(p, s[j][e], b, n, i, key) * kLog2e : FA_NEG_INF;
+      const bool vis = !kMasked || fa_visible(p.rules, q_len, kv_len, i, key);
+#if FA_EXTRAS
+      s[j][e] = vis ? fa_extras_logit(p, s[j][e], b, n, i, key) * kFaLog2e : FA_NEG_INF;
 #else
-      s[j][e] = vis ? s[j][e] * (p.scale * kLog2e) : FA_NEG_INF;
+      s[j][e] = vis ? s[j][e] * (p.rules.scale * kFaLog2e) : FA_NEG_INF;
 #endif
     }
 }
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[4] = {kBr, kThreads, kSmemBytes, kBc};
+extern "C" __constant__ int fa_params_bytes = sizeof(FaParams);
 
 extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams p) {
   extern __shared__ uint4 smem[];
@@ -212,14 +207,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   const int qp = (lane >> 2) & 3, rg = qp % kRG, part = qp / kRG;
 
   const int q_len = blk.q_len, kv_len = blk.kv_len;
-  const long long row_stride = (long long)p.N * kH;   // q / out
-  const long long kv_stride = (long long)p.K * kH;
-  const unsigned short* qg = static_cast<const unsigned short*>(p.q) +
-                             ((long long)b * p.T + m0) * row_stride + (long long)n * kH;
-  const unsigned short* kg = static_cast<const unsigned short*>(p.k) +
-                             (long long)b * p.S * kv_stride + (long long)kvh * kH;
-  const unsigned short* vg = static_cast<const unsigned short*>(p.v) +
-                             (long long)b * p.S * kv_stride + (long long)kvh * kH;
+  const long long kv_stride = p.kv_stride[1];
+  const unsigned short* qg = static_cast<const unsigned short*>(p.q) + fa_at(p.q_stride, b, m0, n);
+  const unsigned short* kg = static_cast<const unsigned short*>(p.k) + fa_at(p.kv_stride, b, 0, kvh);
+  const unsigned short* vg = static_cast<const unsigned short*>(p.v) + fa_at(p.kv_stride, b, 0, kvh);
 
   // Warp rows and this lane's rows: A row, and C rows (two).
   const int wm0 = m0 + warp * kRW;
@@ -227,11 +218,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   const int c_row0 = wm0 + h * 4 * kRG + rg * 4 + t0;  // and c_row0 + 2
 
   int lo, hi, wlo, whi;
-  fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
-  fa_key_range(p, b, wm0, wm0 + kRW, &wlo, &whi);
+  fa_rows_keys(p.rules, q_len, kv_len, m0, m0 + kBr, &lo, &hi);
+  fa_rows_keys(p.rules, q_len, kv_len, wm0, wm0 + kRW, &wlo, &whi);
 
   for (int i = tid; i < kBr * kH / 8; i += kThreads)
-    load_rows<kBr>(sq2, qg, row_stride, min(kBr, p.T - m0), i);
+    load_rows<kBr>(sq2, qg, p.q_stride[1], min(kBr, p.T - m0), p.H, i);
 
   float o[kNTO][8];
 #pragma unroll
@@ -242,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 
   int t_begin, t_end;
   fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
-  fa_split_tiles(p, blk.split, &t_begin, &t_end);
+  fa_split_tiles(blk.split, p.split.parts, &t_begin, &t_end);
   const int n_begin = t_begin * kBc, n_end = t_end * kBc;
   uint4 pre[kLoadsKV];
   auto fetch = [&](const unsigned short* g, int n0) {
@@ -252,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
       int r, j;
       item_rc<kBc>(idx, r, j);
       pre[i] = make_uint4(0, 0, 0, 0);
-      if ((kChunksKV % kThreads == 0 || idx < kChunksKV) && n0 + r < kv_len)
+      if ((kChunksKV % kThreads == 0 || idx < kChunksKV) && n0 + r < kv_len && j * 8 < p.H)
         pre[i] = *reinterpret_cast<const uint4*>(g + (long long)(n0 + r) * kv_stride + j * 8);
     }
   };
@@ -289,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
         for (int j = 0; j < kNTS; ++j) mma_rc(s[j], a, sk2[chunk_at(j * 8 + t + 4 * h, ks)]);
       }
 
-      if (fa_tile_all_visible(p, b, wm0, wm0 + kRW, n0, n0 + kBc))
+      if (fa_all_visible(p.rules, q_len, kv_len, wm0, wm0 + kRW, n0, n0 + kBc))
         to_logits<false>(s, p, b, n, q_len, kv_len, c_row0, n0 + 2 * t1);
       else
         to_logits<true>(s, p, b, n, q_len, kv_len, c_row0, n0 + 2 * t1);
@@ -358,26 +349,48 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     }
   }
 
-  // Epilogue: the row sums are split over the bit-1 partner.
-  float inv[2], lse[2];
+  // Epilogue: the row sums are split over the bit-1 partner. The block's unit
+  // is recomputed rather than kept live across the loop.
+  const FaBlock end = fa_block(p, kBr);
+  const long long slot = fa_forward_slot(p, end);
+  float inv[2], lse2[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = l_run[r] + shfl_xor2f(l_run[r]);
     inv[r] = l == 0.f ? 0.f : 1.f / l;
-    lse[r] = l == 0.f ? FA_NEG_INF : (m_run[r] + fa_lg2(l)) * kLn2;
+    lse2[r] = l == 0.f ? FA_NEG_INF : m_run[r] + fa_lg2(l);
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = c_row0 + 2 * r;
     if (i >= p.T) continue;
-    const long long row = ((long long)fa_out_batch(p, kBr, b) * p.T + i) * p.N + n;
-    if (t1 == 0 && part == 0) p.lse[row] = lse[r];
-    char* orow = static_cast<char*>(p.out) + row * kH * (FA_OUT_DTYPE == 2 ? 4 : 2);
+    const bool lse_lane = t1 == 0 && part == 0;
+    if (slot >= 0) {
+      const long long row = slot * kBr + i - end.m0;
+      if (lse_lane) p.split.partial_lse[row] = lse2[r];
+      float* orow = p.split.partial_out + row * p.H;
+#pragma unroll
+      for (int j = 0; j < kNTO; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int col = o_tile(j, part) * 8 + 4 * half + 2 * t1;
+          if (col < p.H) {
+            orow[col] = o[j][4 * half + 2 * r] * inv[r];
+            orow[col + 1] = o[j][4 * half + 2 * r + 1] * inv[r];
+          }
+        }
+      }
+      continue;
+    }
+    if (lse_lane) p.lse[fa_at(p.lse_stride, end.b, i, end.n)] = lse2[r] * kFaLn2;
+    char* orow = static_cast<char*>(p.out) +
+                 fa_at(p.out_stride, end.b, i, end.n) * (FA_OUT_DTYPE == 2 ? 4 : 2);
 #pragma unroll
     for (int j = 0; j < kNTO; ++j) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int col = o_tile(j, part) * 8 + 4 * half + 2 * t1;
+        if (col >= p.H) continue;
         const float v0 = o[j][4 * half + 2 * r] * inv[r], v1 = o[j][4 * half + 2 * r + 1] * inv[r];
 #if FA_OUT_DTYPE == 2
         *reinterpret_cast<float2*>(orow + col * 4) = make_float2(v0, v1);

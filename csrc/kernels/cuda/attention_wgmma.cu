@@ -1,5 +1,5 @@
-// Fused forward attention on Hopper's warpgroup tensor cores: FA_PATH 90
-// (wgmma.mma_async, sm_90a), fp16/bf16, H a multiple of 64.
+// Fused forward attention on Hopper's warpgroup tensor cores: kernel 90
+// (wgmma.mma_async, sm_90a), fp16/bf16, kernel head dims multiples of 64.
 //
 // Each block owns Br = 128 query rows of one (batch, head) and is warp
 // specialized, as in FlashAttention-3: a producer warpgroup loads Q, then K
@@ -10,9 +10,10 @@
 // "empty" one once its wgmma has read it. The producer gives most of its
 // registers to the consumers (setmaxnreg).
 //
-// TMA zero-fills rows past T and S, but keys in [kv_len, S) hold whatever the
-// caller left there (NaN included), and P V must see zeros for them: the one
-// tile that crosses kv_len is copied with cp.async, which zero-fills by row.
+// TMA zero-fills rows past T and S and columns past H, but keys in [kv_len,
+// S) hold whatever the caller left there (NaN included), and P V must see
+// zeros for them: the one tile that crosses kv_len is copied with cp.async,
+// which zero-fills by row.
 //
 // Per key tile of Bc keys, a consumer warpgroup computes S = Q K^T with
 // wgmma reading Q and K from shared memory, runs the online softmax on the
@@ -29,8 +30,8 @@
 // and read with the transpose flag.
 #include "attention_m16n8.cuh"
 
-#if FA_PATH != 90
-#error "attention_wgmma.cu serves FA_PATH 90"
+#if FA_KERNEL_SM != 90
+#error "attention_wgmma.cu serves kernel 90"
 #endif
 
 #if FA_DTYPE == 1
@@ -42,23 +43,21 @@
 namespace {
 
 constexpr int kH = FA_HEAD_DIM;
-static_assert(kH % 64 == 0 && kH >= 64 && kH <= 256, "head dim");
+constexpr FaTile kTile = fa_forward_tile(90, kH, FA_EXTRAS, __CUDA_ARCH__);
 constexpr int kWG = 2;                     // warpgroups of 64 rows
-constexpr int kThreads = (kWG + 1) * 128;  // + the producer warpgroup
+constexpr int kThreads = kTile.threads;    // (kWG + 1) * 128: + the producer warpgroup
 constexpr int kLoaders = 128;              // producer threads
 // Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 <= 65536.
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-constexpr int kBr = kWG * 64;
-// Bc: a consumer thread holds S (Bc / 2 registers), the previous tile's P
-// (Bc / 4) and O (H / 2) at once; these are the widest that do not spill.
-constexpr int kBc = kH <= 128 ? (FA_GENERAL ? 64 : 128) : kH <= 192 ? 64 : 32;
+constexpr int kBr = kTile.block_m;         // kWG * 64
+constexpr int kBc = kTile.block_n;         // attention_tiles.cuh: fa_wgmma_bc
 constexpr int kChunks = kH / 8;            // 16-byte chunks per row
-constexpr int kStages = 3;  // fits 227 KB at every H
+constexpr int kStages = kFaWgmmaStages;
 constexpr int kQBytes = kBr * kH * 2;
 constexpr int kKVBytes = kBc * kH * 2;
-constexpr int kSmem = kQBytes + kStages * 2 * kKVBytes + 1024 + 128;  // + alignment, barriers
 constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
+static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64, "tile");
 
 // Byte offset of 16-byte chunk c of row r in a tile of `rows` rows.
 __device__ __forceinline__ unsigned swz(int rows, int r, int c) {
@@ -83,8 +82,8 @@ __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
 #pragma unroll 1
   for (int c = tid; c < ROWS * kChunks; c += kLoaders) {
     const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < s.rows_valid;
-    const unsigned short* src = s.base + (ok ? r * s.ld + ch * 8 : 0);
+    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
+    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
     fa_cp_async16(dst + swz(ROWS, r, ch), src, ok);
   }
 }
@@ -236,7 +235,7 @@ __device__ __forceinline__ void set_max_regs_inc() {
 
 }  // namespace
 
-extern "C" __constant__ int fa_launch[4] = {kBr, kThreads, kSmem, kBc};
+extern "C" __constant__ int fa_params_bytes = sizeof(FaParams);
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fa_forward(const FaParams p, const __grid_constant__ FaTmaMaps maps) {
@@ -250,10 +249,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int q_len = blk.q_len, kv_len = blk.kv_len;
 
   int lo, hi;
-  fa_key_range(p, b, m0, m0 + kBr, &lo, &hi);
+  fa_rows_keys(p.rules, q_len, kv_len, m0, m0 + kBr, &lo, &hi);
   int t_begin, t_end;
   fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
-  fa_split_tiles(p, blk.split, &t_begin, &t_end);
+  fa_split_tiles(blk.split, p.split.parts, &t_begin, &t_end);
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
@@ -296,10 +295,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive(full);
         }
       } else {
-        const long long ld = (long long)p.K * kH;
         tile_async<kBc>(dst, FaTileSrc{static_cast<const unsigned short*>(src) +
-                                           ((long long)b * p.S + j0) * ld + kvh * kH,
-                                       (int)ld, kv_len - j0},
+                                           fa_at(p.kv_stride, b, j0, kvh),
+                                       p.kv_stride[1], kv_len - j0, p.H},
                         ltid);
         mbar_arrive_cp_async(full);
       }
@@ -328,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
-  const float to_log2 = FA_GENERAL ? 1.f : p.scale * kFaLog2e;
+  const float to_log2 = FA_EXTRAS ? 1.f : p.rules.scale * kFaLog2e;
 
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
@@ -366,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // The softmax of S: probabilities in s, the rescale factors in alpha.
   auto probs = [&](int tile) {
     const int n0 = tile * kBc;
-    if (!fa_tile_all_visible(p, b, w0, w1, n0, n0 + kBc))
-      fa_mask_rows(p, s, w0 + g, n0, q_len, kv_len, t4);
+    if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
+      fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
     fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, to_log2);
   };
   auto pack = [&]() {
@@ -408,5 +406,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNo * 4>(&o[0][0]);
   }
 
-  fa_write_rows(p, o, row_m, row_l, fa_out_batch(p, kBr, b), n, w0 + g, t4, to_log2);
+  // The block's unit, recomputed rather than kept live across the loop.
+  const FaBlock end = fa_block(p, kBr);
+  fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, to_log2,
+                fa_forward_slot(p, end));
 }

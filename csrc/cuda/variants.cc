@@ -1,0 +1,233 @@
+#include "cuda/variants.h"
+
+#include <algorithm>
+
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/split_policy.h"
+
+namespace fastattn::cuda {
+
+namespace {
+
+const char* DtypeName(int dtype) {
+  static const char* names[] = {"f16", "bf16", "f32"};
+  return dtype >= 0 && dtype <= 2 ? names[dtype] : "?";
+}
+
+// Forward split-KV: each split covers at least this many keys, and a unit
+// takes at most this many.
+constexpr int64_t kMinSplitKeys = 256;
+constexpr int64_t kMaxSplits = 64;
+
+int64_t CeilDiv(int64_t x, int64_t y) { return (x + y - 1) / y; }
+
+}  // namespace
+
+std::string KernelVariant::Describe() const {
+  const std::string types = std::string(DtypeName(dtype)) + "->" + DtypeName(out_dtype);
+  if (decode_rows) {
+    return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
+           " H=" + std::to_string(head_dim) + " " + types;
+  }
+  return "sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " + types +
+         (extras ? " extras" : "");
+}
+
+std::string KernelVariant::Check() const {
+  if (head_dim < 32 || head_dim > kFaMaxHeadDim ||
+      head_dim != fa_kernel_head_dim(decode_rows ? 80 : kernel_sm, head_dim)) {
+    return "head_dim must be a multiple of " +
+           std::to_string(kernel_sm == 90 && !decode_rows ? 64 : 32) + " in [32, " +
+           std::to_string(kFaMaxHeadDim) + "]";
+  }
+  if (dtype != kF16 && dtype != kBF16) return "dtype must be f16 or bf16";
+  if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
+  if (extras != 0 && extras != 1) return "extras must be 0 or 1";
+  if (decode_rows) {
+    if (decode_rows != fa_decode_rows(decode_rows)) return "decode_rows must be 1, 2, 4 or 8";
+    if ((kernel_sm != 75 && kernel_sm != 80) || extras) {
+      return "the decode kernel is built for sm 75 or 80, without extras";
+    }
+    return "";
+  }
+  if (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) {
+    return "kernel_sm must be 70, 75, 80 or 90";
+  }
+  if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80 or 90";
+  return "";
+}
+
+std::string KernelVariant::SourceFile() const {
+  return decode_rows ? "attention_decode.cu"
+       : kernel_sm == 70 ? "attention_volta.cu"
+       : kernel_sm == 90 ? "attention_wgmma.cu"
+                         : "attention_mma16.cu";
+}
+
+std::vector<std::string> KernelVariant::Defines() const {
+  std::vector<std::string> d = {"-DFA_KERNEL_SM=" + std::to_string(kernel_sm),
+                                "-DFA_HEAD_DIM=" + std::to_string(head_dim),
+                                "-DFA_DTYPE=" + std::to_string(dtype),
+                                "-DFA_OUT_DTYPE=" + std::to_string(out_dtype)};
+  d.push_back(decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(decode_rows)
+                          : "-DFA_EXTRAS=" + std::to_string(extras));
+  return d;
+}
+
+FaTile KernelVariant::Tile(int arch) const {
+  return decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
+                     : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
+}
+
+int64_t KernelVariant::Key() const {
+  return ((((int64_t{kernel_sm} * 1024 + head_dim) * 4 + dtype) * 4 + out_dtype) * 2 + extras) *
+             16 + decode_rows;
+}
+
+KernelVariant KernelVariant::FromKey(int64_t key) {
+  KernelVariant v;
+  v.decode_rows = static_cast<int>(key % 16);
+  key /= 16;
+  v.extras = static_cast<int>(key % 2);
+  key /= 2;
+  v.out_dtype = static_cast<int>(key % 4);
+  key /= 4;
+  v.dtype = static_cast<int>(key % 4);
+  key /= 4;
+  v.head_dim = static_cast<int>(key % 1024);
+  v.kernel_sm = static_cast<int>(key / 1024);
+  return v;
+}
+
+std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
+  if (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) {
+    return "no CUDA kernel sm" + std::to_string(kernel_sm);
+  }
+  if (c.H < 1 || c.H > kFaMaxHeadDim) {
+    return "the CUDA kernels take head dims 1 to " + std::to_string(kFaMaxHeadDim) + ", got H=" +
+           std::to_string(c.H);
+  }
+  if (c.K < 1 || c.N % c.K != 0) return "N must be a multiple of K";
+  *plan = CallPlan{};
+  const int64_t G = c.N / c.K;
+  const int in_dtype = c.dtype == kBF16 ? kBF16 : kF16;
+  plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
+  KernelVariant& v = plan->variant;
+  v.out_dtype = c.dtype;
+  const bool operands = c.bias || c.mask || c.q_lens;
+  const int rows = fa_decode_rows(c.T * G);
+  if (!operands && c.S > 0 && rows > 0) {
+    // The decode kernel reads bfloat16 on every arch (its sm75 build on CUDA cores).
+    v.kernel_sm = fa_decode_build(kernel_sm);
+    v.decode_rows = rows;
+    v.dtype = plan->operand_dtype = in_dtype;
+    v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
+    return "";
+  }
+  const FaRules& r = c.rules;
+  plan->fold_heads = c.T == 1 && G > 1 && !operands && r.window_left < 0 &&
+                     r.window_right < 0 && (r.end_aligned || !r.causal);
+  v.kernel_sm = kernel_sm;
+  v.dtype = plan->operand_dtype = OperandDtype(kernel_sm, c.dtype);
+  v.head_dim = fa_kernel_head_dim(kernel_sm, plan->row_elements);
+  // Plain kernels take row maxima of the unscaled logits, valid for scale > 0.
+  v.extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
+  return "";
+}
+
+int MaxBlocksPerSm(const FaTile& tile, int arch) {
+  // Threads, shared memory (bytes) and blocks a multiprocessor holds.
+  const int threads = arch == 750 ? 1024 : arch == 860 || arch == 870 || arch == 890 ? 1536 : 2048;
+  const int smem = arch == 700 ? 96 * 1024
+                 : arch == 750 ? 64 * 1024
+                 : arch == 800 || arch == 870 ? 164 * 1024
+                 : arch == 860 || arch == 890 ? 100 * 1024
+                                              : 228 * 1024;
+  const int most = arch == 750 || arch == 860 || arch == 870 ? 16 : arch == 890 ? 24 : 32;
+  int blocks = std::min(most, threads / std::max(tile.threads, 1));
+  if (tile.smem_bytes > 0) blocks = std::min(blocks, smem / tile.smem_bytes);
+  return std::max(blocks, 1);
+}
+
+LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, int64_t N,
+                      int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm) {
+  LaunchPlan l;
+  l.tile = v.Tile(arch);
+  const int64_t wave = int64_t{multiprocessors} * blocks_per_sm;
+  const int64_t rows = l.tile.block_m;
+  if (v.decode_rows) {
+    // The lean partition: one wave of blocks over the B * K heads' key steps
+    // (at most ceil(S / steps) each, at least one).
+    l.units = B * K;
+    const int64_t steps = l.units * std::max<int64_t>(1, CeilDiv(S, l.tile.block_n));
+    l.blocks = std::min(wave, steps);
+    l.parts = static_cast<int>(l.blocks);
+    // A unit whose walk fits in one block's share writes its output itself.
+    const bool split = l.blocks > l.units || steps > l.blocks;
+    if (split && l.units > 0) {
+      // Block i's segment of unit u writes slot i + u: i + u grows by 1 or 2
+      // from one segment to the next, so the slots are distinct.
+      l.slots = l.blocks + l.units - 1;
+      l.counters = l.units;
+    }
+  } else {
+    FaOperands dims{};
+    dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
+    l.units = fa_forward_units(dims, l.tile.block_m);
+    l.parts = static_cast<int>(SplitCount(l.units, S, wave, kMinSplitKeys, kMaxSplits));
+    l.blocks = l.units * l.parts;
+    if (l.parts > 1) l.slots = l.blocks;
+  }
+  l.workspace_floats = l.slots * rows * (H + 1);
+  return l;
+}
+
+int OperandDtype(int kernel_sm, int dtype) {
+  return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
+}
+
+int DefaultKernel(int cc, int64_t head_dim) {
+  if (fa_runs_on(90, cc) && fa_kernel_head_dim(90, head_dim) == fa_kernel_head_dim(80, head_dim)) {
+    return 90;
+  }
+  return cc >= 80 ? 80 : cc >= 75 ? 75 : 70;
+}
+
+std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,
+                                           const std::vector<int>& dtypes) {
+  std::vector<KernelVariant> out;
+  auto add = [&](const KernelVariant& v) {
+    for (const KernelVariant& w : out) {
+      if (w.Key() == v.Key()) return;
+    }
+    out.push_back(v);
+  };
+  for (int kernel_sm : {70, 75, 80, 90}) {
+    if (!fa_runs_on(kernel_sm, cc)) continue;
+    for (int dtype : dtypes) {
+      for (int h : head_dims) {
+        for (int extras : {0, 1}) {
+          KernelVariant v;
+          v.kernel_sm = kernel_sm;
+          v.head_dim = fa_kernel_head_dim(kernel_sm, h);
+          v.dtype = OperandDtype(kernel_sm, dtype);
+          v.out_dtype = dtype;
+          v.extras = extras;
+          add(v);
+        }
+        for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
+          KernelVariant v;
+          v.kernel_sm = fa_decode_build(kernel_sm);
+          v.head_dim = fa_kernel_head_dim(v.kernel_sm, h);
+          v.dtype = dtype == kBF16 ? kBF16 : kF16;
+          v.out_dtype = dtype;
+          v.decode_rows = rows;
+          add(v);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace fastattn::cuda

@@ -1,0 +1,114 @@
+// The one owner of the CUDA kernels' rules on the host: which kernel variant
+// serves a call (for its shapes, dtype, features and GPU), how it is launched
+// (grid, split-KV, workspace) and how it is compiled. The FFI handlers and,
+// through the extension module, Python (fastattn_jax/cuda.py) ask here;
+// nothing else derives these facts. The shape facts underneath (head-dim
+// rounding, tiles per arch) are in csrc/kernels/cuda/attention_tiles.cuh,
+// which the kernels are compiled from too.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/attention_rules.h"
+#include "kernels/cuda/attention_tiles.cuh"
+
+namespace fastattn::cuda {
+
+// Element types as the kernels number them (FA_DTYPE, FA_OUT_DTYPE).
+enum Dtype : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
+
+// One compiled specialization of a kernel (attention_common.cuh lists what
+// each field turns into).
+struct KernelVariant {
+  int kernel_sm = 80;   // 70, 75, 80, 90; the decode kernel: its build, 75 or 80
+  int head_dim = 128;   // the kernel head dim (fa_kernel_head_dim)
+  int dtype = kF16;     // q, k, v: kF16 or kBF16
+  int out_dtype = kF16;
+  int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
+  int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
+
+  // "sm80 H=128 bf16->bf16", "... extras", "decode sm80 rows=4 ...": for logs.
+  std::string Describe() const;
+  // Empty if the variant exists, else why not.
+  std::string Check() const;
+  // The kernel source and its NVRTC -D options.
+  std::string SourceFile() const;
+  std::vector<std::string> Defines() const;
+  // The tile on a GPU of `arch` (__CUDA_ARCH__ spelling: 900).
+  FaTile Tile(int arch) const;
+  // The variant as one integer, the FFI attribute that names it to a handler.
+  int64_t Key() const;
+  static KernelVariant FromKey(int64_t key);
+};
+
+// A call as the lowering sees it. dtype: kF16, kBF16 or kF32 (float32
+// inputs are rounded to float16 for the products).
+struct CallShape {
+  int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
+  int dtype = kF16;
+  bool bias = false, mask = false, q_lens = false;
+  FaRules rules{};
+};
+
+// How a kernel serves a call.
+struct CallPlan {
+  KernelVariant variant;
+  int operand_dtype = kF16;  // q, k, v are converted to this (when they are not)
+  int64_t row_elements = 0;  // H rounded up to kFaRowAlign: the operands' rows
+                             // (H itself unless it is not a multiple of 8)
+  // T = 1 with more than kFaMaxDecodeRows query heads per key/value head, and
+  // one visibility for them all: the G heads of a key/value head become the
+  // rows of a K-head call (T' = G, N' = K), by strides alone.
+  bool fold_heads = false;
+};
+
+// The plan for `shape` on kernel `kernel_sm` ("" on success, else why the
+// kernels cannot serve it).
+std::string PlanCall(int kernel_sm, const CallShape& shape, CallPlan* plan);
+
+// The launch of a planned call on a GPU of `arch` whose `multiprocessors`
+// each hold `blocks_per_sm` blocks of the kernel (the loaded kernel's
+// occupancy; MaxBlocksPerSm bounds it before loading).
+struct LaunchPlan {
+  FaTile tile{};
+  int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads
+  int64_t blocks = 0;     // the grid
+  int parts = 1;          // FaSplitKV::parts: forward splits per unit; decode:
+                          // blocks of the lean partition
+  int64_t slots = 0;      // partial states in the workspace (0: no split)
+  int64_t workspace_floats = 0;  // slots * rows * (H + 1)
+  int64_t counters = 0;   // the decode kernel's split counters (units, when
+                          // split); the forward kernels merge in a second
+                          // launch (fa_merge) of `units` blocks instead
+};
+LaunchPlan PlanLaunch(const KernelVariant& variant, int64_t B, int64_t T, int64_t S, int64_t N,
+                      int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm);
+
+// An upper bound of the resident blocks per multiprocessor of `tile` on
+// `arch`, from the multiprocessor's thread and shared-memory limits (the
+// registers, known once compiled, can only lower it).
+int MaxBlocksPerSm(const FaTile& tile, int arch);
+
+// The dtype the forward kernels multiply `dtype` inputs in (kF16, kBF16 or
+// kF32) on kernel `kernel_sm`: bfloat16 where the tensor cores have it
+// (kernels 80 and 90), else float16; float32 is rounded to float16 (the
+// 10-bit significand of the TF32 that XLA's float32 products use). The
+// decode kernel reads bfloat16 on every arch (CallPlan says which applies).
+int OperandDtype(int kernel_sm, int dtype);
+
+// The kernel `implementation=None` runs on a GPU of compute capability `cc`
+// (10 * major + minor) for head dim H: the newest that runs there, except
+// that 90 takes only H whose 32-multiple is a 64-multiple (it would compute
+// on 32 zero columns otherwise).
+int DefaultKernel(int cc, int64_t head_dim);
+
+// The variants `python -m fastattn_jax.precompile` builds for compute
+// capability `cc`: every kernel the GPU runs, at each head dim (rounded as
+// the kernel rounds it) and input dtype (kF16, kBF16; output alike), with
+// and without extras, and the decode kernel at each rows per block.
+std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,
+                                           const std::vector<int>& dtypes);
+
+}  // namespace fastattn::cuda

@@ -1,0 +1,158 @@
+// Split-KV (Dao et al., "Flash-Decoding for long-context inference", 2023)
+// for every CUDA kernel: when a launch has too few units of work to fill the
+// GPU (a unit: a forward kernel's row block of one (b, n), or the decode
+// kernel's rows of one (b, kvh)), each unit's key walk is cut into segments
+// run by different blocks. A segment writes its rows, normalized over its own
+// keys, and their LSE to a slot of the workspace and counts itself in its
+// unit's counter; the last segment of a unit to finish merges the slots by
+// their LSE and writes the output, in the same launch. The counters belong
+// to the call site (csrc/ffi/attention_cuda_ffi.cc), are zeroed when it
+// allocates them and wrap back to zero at each unit's last segment, so a
+// launch needs no memset before it.
+//
+// Where the segments fall is the kernel's choice: the forward kernels cut
+// each unit into FaSplitKV::parts even shares (slots unit * parts + split)
+// and merge in a second launch (fa_merge, below); the decode kernel deals the
+// flattened (unit, key step) range out evenly to a wave of blocks across unit
+// boundaries (a lean, stream-K partition, below; slots block + unit) and
+// merges in the same launch. Either way a unit's slots are consecutive and
+// fa_merge_segments merges them.
+#pragma once
+
+#include "attention_common.cuh"
+
+// Writes row r of a segment's partial state: the normalized O columns
+// [e, e + 4) and, once per row (e == 0), the log2-domain LSE.
+__device__ __forceinline__ void fa_store_partial(const FaSplitKV& s, int H, long long slot,
+                                                 int rows, int r, int e, const float (&x)[4],
+                                                 float lse2) {
+  float* dst = s.partial_out + (slot * rows + r) * H + e;
+#pragma unroll
+  for (int f = 0; f < 4; ++f) dst[f] = x[f];
+  if (e == 0) s.partial_lse[slot * rows + r] = lse2;
+}
+
+// Counts a finished segment of a unit of `segments` in *counter; true in the
+// block that finished last, which then sees every other segment's partial
+// state. Call from all `sync`ed threads after they stored their partials.
+template <class Sync>
+__device__ __forceinline__ bool fa_last_segment(unsigned* counter, int segments, Sync sync) {
+  __shared__ int s_last;
+  __threadfence();
+  sync();
+  // atomicInc wraps at segments - 1: the last count sets the counter back to
+  // 0, ready for the next launch.
+  if (threadIdx.x == 0) {
+    s_last = atomicInc(counter, segments - 1) == static_cast<unsigned>(segments - 1);
+  }
+  sync();
+  const bool last = s_last;
+  if (last) __threadfence();
+  return last;
+}
+
+// Floats written by another block of this launch: read from L2, not L1.
+__device__ __forceinline__ float fa_load_l2(const float* ptr) {
+  float x;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(x) : "l"(ptr));
+  return x;
+}
+
+__device__ __forceinline__ void fa_load_l2(const float* ptr, float (&x)[4]) {
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "l"(ptr));
+}
+
+// Merges slots [first, first + segments) of a unit of `rows` rows (those
+// below `valid` are written): out and lse of row r go to out_at(r) and
+// lse_at(r) (element offsets into p.out, p.lse). Thread `tid` of `threads`
+// takes four columns of a row at a time and merges the slots as an online
+// softmax over them, each slot's LSE loaded with its O quad: one round trip
+// to L2 per kLoads slots. kLoads is the kernel's register budget for it.
+template <int kLoads, class OutAt, class LseAt>
+__device__ __forceinline__ void fa_merge_segments(const FaOperands& p, const FaSplitKV& s,
+                                                  long long first, int segments, int rows,
+                                                  int valid, int tid, int threads,
+                                                  OutAt out_at, LseAt lse_at) {
+  const int quads = p.H / 4;
+  const float* lse_parts = s.partial_lse + first * rows;
+  const float* o_parts = s.partial_out + first * rows * p.H;
+  for (int i = tid; i < valid * quads; i += threads) {
+    const int r = i / quads, e = 4 * (i % quads);
+    float mx = FA_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < segments; s0 += kLoads) {
+      float lse2[kLoads], x[kLoads][4];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        lse2[k] = FA_NEG_INF;
+        if (s0 + k < segments) {
+          lse2[k] = fa_load_l2(lse_parts + (s0 + k) * rows + r);
+          fa_load_l2(o_parts + ((long long)(s0 + k) * rows + r) * p.H + e, x[k]);
+        }
+      }
+      float m_new = mx;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) m_new = fmaxf(m_new, lse2[k]);
+      const float mu = m_new == FA_NEG_INF ? 0.f : m_new;  // all empty: weights 0
+      const float alpha = fa_ex2(mx - mu);
+      sum *= alpha;
+#pragma unroll
+      for (int f = 0; f < 4; ++f) acc[f] *= alpha;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (s0 + k < segments) {
+          const float w = fa_ex2(lse2[k] - mu);
+          sum += w;
+#pragma unroll
+          for (int f = 0; f < 4; ++f) acc[f] = fmaf(w, x[k][f], acc[f]);
+        }
+      }
+      mx = m_new;
+    }
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+#pragma unroll
+    for (int f = 0; f < 4; ++f) acc[f] *= inv;
+    fa_store_quad(p.out, out_at(r) + e, acc);
+    if (e == 0) p.lse[lse_at(r)] = sum == 0.f ? FA_NEG_INF : (mx + fa_lg2(sum)) * kFaLn2;
+  }
+}
+
+// --- The forward kernels -----------------------------------------------------------
+
+// The workspace slot of a forward block's segment, or -1 when its unit is not
+// split: the block writes out and lse itself.
+__device__ __forceinline__ long long fa_forward_slot(const FaParams& p, const FaBlock& blk) {
+  return p.split.parts > 1 ? (long long)blk.unit * p.split.parts + blk.split : -1;
+}
+
+// The forward kernels' merge, a second kernel of their module that the
+// handler launches after fa_forward when units are split: block u merges
+// unit u's `parts` slots into out and lse. (Merged in fa_forward's own
+// epilogue instead, the last segment's extra control flow made ptxas spill
+// kernel 80 at H = 128.)
+#ifndef FA_DECODE_ROWS
+extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaParams p) {
+  const int block_m = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__).block_m;
+  const FaBlock blk = fa_block(p, block_m);  // blockIdx.x: the unit, split 0
+  fa_merge_segments<8>(p, p.split, (long long)blk.unit * p.split.parts, p.split.parts, block_m,
+                       min(block_m, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
+                       [&](int r) { return fa_at(p.out_stride, blk.b, blk.m0 + r, blk.n); },
+                       [&](int r) { return fa_at(p.lse_stride, blk.b, blk.m0 + r, blk.n); });
+}
+#endif
+
+// --- The lean partition (the decode kernel) ------------------------------------------
+
+// `units` units of c[u] steps each, flattened in unit order, dealt out to
+// `blocks` blocks: block i takes steps [i W / blocks, (i + 1) W / blocks) of
+// the W in all. A block's share can end one unit and start the next, so every
+// block has the same work and a wave of blocks keeps every multiprocessor
+// busy to the end. Block of step x: the largest i whose share starts at or
+// before x.
+__device__ __forceinline__ int fa_lean_block(long long x, long long steps, int blocks) {
+  return static_cast<int>(((x + 1) * blocks - 1) / steps);
+}
+
+__device__ __forceinline__ long long fa_lean_start(int block, long long steps, int blocks) {
+  return block * steps / blocks;
+}

@@ -1,0 +1,177 @@
+// The one home of the CUDA kernels' shape facts: which head dims each kernel
+// is built for, which decode build and row count serves a call, and each
+// kernel's tile (Br, Bc, threads, shared memory) per GPU arch. The kernels
+// take their constants from here (compiled by NVRTC with __CUDA_ARCH__); the
+// host (csrc/cuda/variants.cc) asks the same functions to size grids,
+// workspaces and split counts before anything is compiled.
+//
+// Kernels are named by the sm they were written for (kernel_sm): 70
+// (mma.m8n8k4, attention_volta.cu), 75 (mma.m16n8k8) and 80 (mma.m16n8k16 +
+// cp.async, both attention_mma16.cu), 90 (wgmma, attention_wgmma.cu); the
+// decode kernel (attention_decode.cu) has two builds, 75 (CUDA cores) and 80
+// (tensor cores + cp.async). `arch` is the target's compute capability as
+// __CUDA_ARCH__ spells it (700, 750, 800, 860, 900, ...).
+//
+// No includes: compiled by the host compiler and by NVRTC.
+#pragma once
+
+#if defined(__CUDACC_RTC__)
+#define FA_TILE_FN __host__ __device__ constexpr
+#else
+#define FA_TILE_FN constexpr
+#endif
+
+// Head dims every kernel takes: 1 .. kFaMaxHeadDim, each row 16-byte aligned
+// (H a multiple of kFaRowAlign elements) for the vector loads, cp.async and
+// TMA that read it in place.
+constexpr int kFaMaxHeadDim = 256;
+constexpr int kFaRowAlign = 8;
+
+// The head dim a kernel is specialized for, H rounded up: to a multiple of
+// 64 for kernel 90 (its shared-memory rows are 64-element panels), of 32 for
+// the others. Columns in [H, that) are read as zeros and never written.
+FA_TILE_FN int fa_kernel_head_dim(int kernel_sm, int head_dim) {
+  return kernel_sm == 90 ? (head_dim + 63) / 64 * 64 : (head_dim + 31) / 32 * 32;
+}
+
+// Whether a GPU of compute capability `cc` (10 * major + minor) runs kernel
+// `kernel_sm`: newer GPUs run older kernels' instructions, but wgmma exists
+// only in the arch-specific sm_90a target, which runs on 9.0 alone.
+FA_TILE_FN bool fa_runs_on(int kernel_sm, int cc) {
+  return kernel_sm == 90 ? cc == 90 : cc >= kernel_sm;
+}
+
+// The decode kernel's rows per block for `rows` = T * N / K query rows per
+// key/value head: the smallest of 1, 2, 4, 8 that holds them; 0 when none
+// does (such calls take the forward kernels).
+constexpr int kFaMaxDecodeRows = 8;
+FA_TILE_FN int fa_decode_rows(long long rows) {
+  return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : rows <= 8 ? 8 : 0;
+}
+
+// The decode build serving kernel `kernel_sm`: 80 (tensor cores, cp.async)
+// on the sm80 and sm90 paths, 75 (CUDA cores, float32) on sm70 and sm75.
+FA_TILE_FN int fa_decode_build(int kernel_sm) { return kernel_sm >= 80 ? 80 : 75; }
+
+struct FaTile {
+  int block_m;     // Br: query rows per block (decode: rows per block)
+  int block_n;     // Bc: keys per tile (decode: keys per iteration of a block)
+  int threads;
+  int smem_bytes;  // dynamic shared memory per block
+};
+
+// --- attention_mma16.cu (kernels 75 and 80) ------------------------------------
+
+// m16 tiles per warp: two up to H = 128 halve the shared-memory reads of K
+// and V per flop (each B fragment feeds both).
+FA_TILE_FN int fa_mma16_m_tiles(int h) { return h <= 128 ? 2 : 1; }
+// cp.async stages of K and V (kernel 80); kernel 75 stages through registers.
+FA_TILE_FN int fa_mma16_stages(int kernel_sm) { return kernel_sm == 80 ? 2 : 1; }
+FA_TILE_FN int fa_mma16_smem_budget(int kernel_sm, int arch) {
+  return kernel_sm == 75 ? 64 * 1024                              // T4
+       : arch == 800 || arch == 870 ? 163 * 1024
+       : arch >= 900 ? 227 * 1024
+                     : 99 * 1024;                                 // sm_86, sm_89
+}
+// Shared-memory rows are padded by 16 bytes (see attention_mma16.cu).
+FA_TILE_FN int fa_mma16_smem(int kernel_sm, int h, int bc) {
+  return (4 * 16 * fa_mma16_m_tiles(h) + fa_mma16_stages(kernel_sm) * 2 * bc) * (2 * h + 16);
+}
+// Bc: as wide as registers allow (S and, on kernel 75, the prefetched tile
+// grow with it), then as shared memory allows.
+FA_TILE_FN int fa_mma16_bc(int kernel_sm, int h, int arch) {
+  const int most = kernel_sm == 75 ? (h <= 64 ? 64 : h <= 160 ? 32 : 16) : (h <= 64 ? 64 : 32);
+  const int budget = fa_mma16_smem_budget(kernel_sm, arch);
+  return most >= 64 && fa_mma16_smem(kernel_sm, h, 64) <= budget   ? 64
+       : most >= 32 && fa_mma16_smem(kernel_sm, h, 32) <= budget ? 32
+                                                                  : 16;
+}
+
+// --- attention_volta.cu (kernel 70) ----------------------------------------------
+
+// Row groups of 8 rows per warp (kRG there): 2 above H = 128 keep O at 128
+// registers.
+FA_TILE_FN int fa_volta_row_groups(int h) { return h > 128 ? 2 : 4; }
+// Bc: S takes Bc registers per lane and the K/V prefetch Bc * H / 256.
+FA_TILE_FN int fa_volta_bc(int h) { return h <= 64 ? 64 : h < 224 ? 32 : 16; }
+// Bytes of a tile of `rows` rows: H / 4 chunks of 8 bytes plus one of padding.
+FA_TILE_FN int fa_volta_tile_bytes(int rows, int h) { return rows * (h / 4 + 1) * 8; }
+// V100 gives 96 KB of shared memory to an SM: where Q, K and V would keep a
+// second block out, V reuses K's buffer.
+FA_TILE_FN bool fa_volta_one_kv(int h) {
+  return fa_volta_tile_bytes(4 * 8 * fa_volta_row_groups(h), h) +
+             2 * fa_volta_tile_bytes(fa_volta_bc(h), h) > 48 * 1024;
+}
+
+// --- attention_wgmma.cu (kernel 90) ---------------------------------------------
+
+// Bc: a consumer thread holds S (Bc / 2 registers), the previous tile's P
+// (Bc / 4) and O (H / 2) at once; these are the widest that do not spill.
+FA_TILE_FN int fa_wgmma_bc(int h, bool extras) {
+  return h <= 128 ? (extras ? 64 : 128) : h <= 192 ? 64 : 32;
+}
+constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
+
+// --- attention_decode.cu ------------------------------------------------------------
+
+// Build 80: each warp streams tiles of 16 keys through its own ring of
+// kFaDecodeStages stages, as many warps (up to 8) as shared memory allows.
+constexpr int kFaDecodeTileKeys = 16;
+constexpr int kFaDecodeStages = 2;
+FA_TILE_FN int fa_decode_tile_bytes(int h) { return kFaDecodeTileKeys * (h / 8 + 1) * 16; }
+FA_TILE_FN int fa_decode_ring_bytes(int warps, int h) {
+  return warps * kFaDecodeStages * 2 * fa_decode_tile_bytes(h);
+}
+FA_TILE_FN int fa_decode_warps(int build, int h, int arch) {
+  // Shared memory a block may take, less its static arrays (8 KB).
+  const int budget = (arch == 800 || arch == 870 ? 163 : arch >= 900 ? 227 : 99) * 1024 - 8 * 1024;
+  return build == 75                                  ? 4
+       : fa_decode_ring_bytes(8, h) <= budget ? 8
+       : fa_decode_ring_bytes(4, h) <= budget ? 4
+                                              : 2;
+}
+// Build 75: lanes sharing one key (each holds a 16-byte chunk of its rows),
+// and the load steps issued ahead into registers, by rows per block (more
+// rows: more registers for q and O, more math to hide the latency behind).
+FA_TILE_FN int fa_decode_lanes_per_key(int h) {
+  return h / 8 <= 4 ? 4 : h / 8 <= 8 ? 8 : h / 8 <= 16 ? 16 : 32;
+}
+FA_TILE_FN int fa_decode_steps(int rows) { return rows == 2 ? 8 : rows == 8 ? 2 : 4; }
+
+// The forward kernels' split-KV merge (attention_split.cuh: fa_merge): threads
+// per block, one block per unit.
+constexpr int kFaMergeThreads = 128;
+
+// --- tiles ----------------------------------------------------------------------------
+
+// The tile of forward kernel `kernel_sm` at kernel head dim h (a multiple of
+// 32; of 64 for kernel 90) on `arch`; `extras`: bias, mask and soft cap
+// compiled in.
+FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int arch) {
+  if (kernel_sm == 90) {
+    const int bc = fa_wgmma_bc(h, extras);
+    // Q, the K and V stages, then alignment slack and the mbarriers.
+    return FaTile{128, bc, 3 * 128, 128 * h * 2 + kFaWgmmaStages * 2 * bc * h * 2 + 1024 + 128};
+  }
+  if (kernel_sm == 70) {
+    const int br = 4 * 8 * fa_volta_row_groups(h), bc = fa_volta_bc(h);
+    return FaTile{br, bc, 128,
+                  fa_volta_tile_bytes(br, h) +
+                      (fa_volta_one_kv(h) ? 1 : 2) * fa_volta_tile_bytes(bc, h)};
+  }
+  const int bc = fa_mma16_bc(kernel_sm, h, arch);
+  return FaTile{4 * 16 * fa_mma16_m_tiles(h), bc, 128, fa_mma16_smem(kernel_sm, h, bc)};
+}
+
+// The tile of the decode kernel, build 75 or 80, at `rows` rows per block
+// (1, 2, 4 or 8) and kernel head dim h (a multiple of 32), on `arch`. Its
+// dynamic shared memory holds the K/V rings and, once the walk is done, the
+// warps' O rows.
+FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int arch) {
+  const int warps = fa_decode_warps(build, h, arch);
+  const int keys = build == 80 ? warps * kFaDecodeTileKeys
+                               : warps * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
+  const int ring = build == 80 ? fa_decode_ring_bytes(warps, h) : 0;
+  const int warp_rows = warps * rows * h * 4;
+  return FaTile{rows, keys, 32 * warps, ring > warp_rows ? ring : warp_rows};
+}

@@ -1,0 +1,233 @@
+"""The CUDA kernels from Python: which one serves a call, and the custom call that runs it.
+
+Every rule about the kernels (which kernel a GPU runs, head dims, rows per
+block, operand dtypes, split-KV, workspace) has one owner, in C++
+(``csrc/cuda/variants.h``, on the tile facts of
+``csrc/kernels/cuda/attention_tiles.cuh``), which this module asks through the
+extension; nothing here derives them again. The kernels are compiled at first
+use by NVRTC for the exact GPU and kept in an on-disk cache; this module tells
+the extension which ``libnvrtc`` to try (the one matching the CUDA major
+version of the installed JAX plugin first) and where the cache lives.
+
+Environment:
+  FASTATTN_CACHE_DIR  the kernel cache folder (default: the user cache folder,
+                      ``$XDG_CACHE_HOME/fastattn_jax`` or ``~/.cache/fastattn_jax``);
+                      an empty value turns the disk cache off.
+  FASTATTN_NVRTC      path of a ``libnvrtc.so`` to try before all others.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import _ffi
+from fastattn_jax.shapes import AttentionConfig
+
+#: The one CUDA target: every kernel, variant chosen by the lowering.
+TARGET = "fastattn_attention_cuda"
+_LIMITS = _ffi.cuda_limits()
+#: Largest head dim of the CUDA kernels.
+MAX_HEAD_DIM = _LIMITS["max_head_dim"]
+#: Rows of q, k and v a multiple of this many elements are read in place; the
+#: kernels pad other head dims (a copy) to one.
+ROW_ALIGN = _LIMITS["row_align"]
+#: Implementation name -> the kernel (the sm it was written for).
+IMPLEMENTATIONS = {f"cuda_sm{kernel}": kernel for kernel in _LIMITS["kernels"]}
+#: The kernels' dtype codes.
+DTYPE_CODES = _LIMITS["dtypes"]
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+def plugin_cuda_major() -> int | None:
+  """CUDA major version of the installed JAX CUDA plugin (12, 13), or None."""
+  for major in (13, 12):
+    for name in (f"jax-cuda{major}-plugin", f"jax_cuda{major}_plugin"):
+      try:
+        importlib.metadata.version(name)
+        return major
+      except importlib.metadata.PackageNotFoundError:
+        pass
+  return None
+
+
+def _nvidia_lib_dirs() -> list[str]:
+  """lib folders of the nvidia-* wheels (nvidia/cuda_nvrtc/lib, nvidia/cu13/lib...)."""
+  spec = importlib.util.find_spec("nvidia")
+  roots = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
+  return [d for root in roots for d in sorted(glob.glob(os.path.join(root, "*", "lib")))]
+
+
+def nvrtc_candidates() -> list[str]:
+  """libnvrtc paths or sonames to try, best first."""
+  found = []
+  if os.environ.get("FASTATTN_NVRTC"):
+    found.append(os.environ["FASTATTN_NVRTC"])
+  dirs = _nvidia_lib_dirs()
+  cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+  dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]
+  libs = [p for d in dirs for p in sorted(glob.glob(os.path.join(d, "libnvrtc.so.*")))
+          if p.rsplit(".so.", 1)[1].isdigit()]  # libnvrtc.so.12, not builtins or .alt
+  major = plugin_cuda_major()
+  libs.sort(key=lambda p: p.rsplit(".so.", 1)[1] != str(major))  # stable: matching first
+  found += libs
+  found += [f"libnvrtc.so.{m}" for m in (major, 13, 12) if m] + ["libnvrtc.so"]
+  return list(dict.fromkeys(found))
+
+
+def cache_dir() -> str:
+  """The kernel cache folder ('' when FASTATTN_CACHE_DIR is set empty)."""
+  if "FASTATTN_CACHE_DIR" in os.environ:
+    return os.environ["FASTATTN_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "fastattn_jax")
+
+
+def configure() -> None:
+  """Hands the NVRTC candidates and the cache folder to the extension."""
+  _ffi.set_nvrtc_candidates(nvrtc_candidates())
+  _ffi.set_cache_dir(cache_dir())
+
+
+# --- which kernel ----------------------------------------------------------------
+
+def compute_capability(device=None) -> int:
+  """10 * major + minor of ``device`` (default: the first CUDA device)."""
+  device = device or jax.devices("cuda")[0]
+  major, minor = str(device.compute_capability).split(".")
+  return 10 * int(major) + int(minor)
+
+
+def multiprocessors(device=None) -> int:
+  """The multiprocessor count of ``device`` (default: the first CUDA device)."""
+  device = device or jax.devices("cuda")[0]
+  return int(device.core_count)
+
+
+def default_implementation(cc: int, head_dim: int | None) -> str:
+  """The CUDA implementation ``implementation=None`` runs on compute
+  capability ``cc`` for head dim H (None: any)."""
+  return f"cuda_sm{_ffi.cuda_default_kernel(cc, 64 if head_dim is None else head_dim)}"
+
+
+def runs_on(implementation: str, cc: int) -> bool:
+  """Whether a GPU of compute capability ``cc`` runs ``implementation``."""
+  return _ffi.cuda_runs_on(IMPLEMENTATIONS[implementation], cc)
+
+
+def operand_dtype(implementation: str, dtype) -> str:
+  """The dtype ``implementation``'s forward kernels multiply ``dtype`` inputs in."""
+  code = _ffi.cuda_operand_dtype(IMPLEMENTATIONS[implementation],
+                                 DTYPE_CODES[jnp.dtype(dtype).name])
+  return _DTYPE_NAMES[code]
+
+
+def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
+         bias: bool = False, mask: bool = False, q_lens: bool = False) -> dict:
+  """How ``implementation`` serves a call: the owner's ``CallPlan`` as a dict
+  (variant key and fields, operand dtype code, row elements, fold_heads).
+
+  Raises:
+    ValueError: the kernels cannot serve the call (e.g. H > 256), saying why.
+  """
+  B, T, N, H = q_shape
+  S, K = k_shape[1], k_shape[2]
+  left, right = config.window if config.window is not None else (-1, -1)
+  return _ffi.cuda_plan_call(
+      IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
+      bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
+      config.end_aligned, left, right)
+
+
+def kernel_shape(plan_: dict, q_shape, k_shape) -> tuple[int, ...]:
+  """(B, T, S, N, K, H) as the kernel sees them: with folded heads, T' = G
+  rows of N' = K heads; H is the operands' row length."""
+  B, T, N, _ = q_shape
+  S, K = k_shape[1], k_shape[2]
+  if plan_["fold_heads"]:
+    T, N = N // K, K
+  return B, T, S, N, K, plan_["row_elements"]
+
+
+def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -> dict:
+  """The owner's ``LaunchPlan`` for a planned call on ``device`` (default:
+  the first CUDA device): tile, grid, split-KV parts, workspace floats. With
+  ``blocks_per_sm`` 0, the most blocks the multiprocessor could hold: the
+  workspace the lowering allocates covers the loaded kernel's real plan."""
+  cc = compute_capability(device)
+  return _ffi.cuda_plan_launch(plan_["variant"], *kernel_shape(plan_, q_shape, k_shape),
+                               cc * 10, multiprocessors(device), blocks_per_sm)
+
+
+def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias=None,
+         mask=None, q_lens=None, kv_lens=None):
+  """Runs the kernel ``implementation`` plans for the call; returns (out, lse).
+
+  q (B, T, N, H), k and v (B, S, K, H), converted to the plan's operand dtype
+  when they are not in it; H not a multiple of 8 is zero-padded to one (16-byte
+  rows: the one case that copies the operands). ``attrs``: the rule attributes
+  the CPU target takes too (``backends.rule_attrs``). The split-KV workspace is
+  a third result, sized by the owner.
+  """
+  B, T, N, H = q.shape
+  p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
+           mask is not None, q_lens is not None)
+  out_dtype = q.dtype
+  operand = jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]])
+  if q.dtype != operand:
+    q, k, v = (x.astype(operand) for x in (q, k, v))
+  if p["row_elements"] != H:
+    pad = [(0, 0)] * 3 + [(0, p["row_elements"] - H)]
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+  workspace = launch(p, q.shape, k.shape)["workspace_floats"]
+  empty = lambda dtype: jnp.zeros((0,), dtype)
+  out, lse, _ = jax.ffi.ffi_call(TARGET, (
+      jax.ShapeDtypeStruct(q.shape, out_dtype),
+      jax.ShapeDtypeStruct((B, T, N), jnp.float32),
+      jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
+          q, k, v,
+          empty(jnp.float32) if bias is None else bias.astype(jnp.float32),
+          empty(jnp.bool_) if mask is None else mask,
+          empty(jnp.int32) if q_lens is None else q_lens,
+          empty(jnp.int32) if kv_lens is None else kv_lens,
+          **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(p["fold_heads"]))
+  return out[..., :H], lse
+
+
+# --- compiling ahead of time ---------------------------------------------------------
+
+def parse_arch(text: str) -> str:
+  """'sm_90', 'sm90', '90' or '9.0' -> 'sm_90'."""
+  t = text.strip().lower().removeprefix("sm_").removeprefix("sm").replace(".", "")
+  if not t.isdigit() or int(t) < 70:
+    raise ValueError(f"not a CUDA arch of compute capability >= 7.0: {text!r}")
+  return f"sm_{t}"
+
+
+def shipped_variants(arch: str, head_dims=None, dtypes=("float16", "bfloat16")) -> list[int]:
+  """Keys of the variants ``python -m fastattn_jax.precompile`` builds for
+  ``arch`` ("sm_90"), at ``head_dims`` (default: every multiple of 32 up to
+  the largest) and input ``dtypes``; ``_ffi.cuda_variant(key)`` describes one."""
+  head_dims = range(32, MAX_HEAD_DIM + 1, 32) if head_dims is None else head_dims
+  return _ffi.cuda_shipped_variants(int(arch.removeprefix("sm_")), list(head_dims),
+                                    [DTYPE_CODES[d] for d in dtypes])
+
+
+def compile_variant(key: int, arch: str) -> dict:
+  """Compiles variant ``key`` for ``arch`` ("sm_90") or reads it from the disk
+  cache; see ``_ffi.compile_kernel``.
+
+  Raises:
+    RuntimeError: no NVRTC can compile for ``arch``, or the variant does not
+      exist there (the message says why).
+  """
+  return _ffi.compile_kernel(key, arch)
+
+
+configure()

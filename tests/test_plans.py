@@ -1,0 +1,75 @@
+"""The kernels' facts have one owner: what a handler launched is what the
+owner planned, and what the lowering allocated for it.
+
+Each test runs a call, then compares the plan the FFI handler recorded for it
+(``_ffi.recorded_plans()``: the variant, kernel head dim, rows per block, grid,
+split and workspace it launched with) with the answers of the owner the
+lowering asked (``csrc/cuda/variants.h`` through ``fastattn_jax.cuda``; the CPU
+kernel's own planner) and with the buffer sizes in the compiled program.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import _ffi, cuda, fast_attention
+from fastattn_jax.decode import decode_attention
+from fastattn_jax.shapes import AttentionConfig
+
+
+def _workspace_floats(hlo: str) -> int:
+  """The split-KV workspace the lowering gave the CUDA custom call (its third result)."""
+  call = next(line for line in hlo.splitlines() if "fastattn_attention_cuda" in line)
+  shapes = re.findall(r"f32\[(\d*)\]", call.split("custom-call(")[0])
+  return int(shapes[-1] or 0)
+
+
+def _check_cuda_launch(q_shape, k_shape, dtype, config, hlo, **features):
+  record = _ffi.recorded_plans()["cuda"]
+  implementation = cuda.default_implementation(cuda.compute_capability(), q_shape[-1])
+  plan = cuda.plan(implementation, config, q_shape, k_shape, dtype, **features)
+  assert record["variant"] == plan["variant"], (_ffi.cuda_variant(record["variant"]), plan)
+  assert record["kernel_head_dim"] == plan["head_dim"]
+  assert record["H"] == plan["row_elements"] == q_shape[-1], "rows read in place, not padded"
+  assert record["decode_rows"] == plan["decode_rows"]
+  launched = cuda.launch(plan, q_shape, k_shape, blocks_per_sm=record["blocks_per_sm"])
+  for fact in ("block_m", "block_n", "threads", "smem_bytes", "units", "blocks", "parts",
+               "slots", "workspace_floats", "counters"):
+    assert record[fact] == launched[fact], (fact, record, launched)
+  bound = cuda.launch(plan, q_shape, k_shape)
+  assert _workspace_floats(hlo) == bound["workspace_floats"] >= record["workspace_floats"]
+  return record
+
+
+@pytest.mark.gpu
+def test_cuda_prefill_runs_what_the_owner_planned(rng):
+  """A short prefill over long keys (split-KV) at H = 72: not a multiple of
+  32, read in place."""
+  B, T, S, N, K, H = 1, 40, 3000, 4, 2, 72
+  q, k, v = tu.qkv(rng, B, T, S, N, K, H, jnp.bfloat16)
+  f = jax.jit(lambda q, k, v: fast_attention(q, k, v, is_causal=True))
+  hlo = f.lower(q, k, v).compile().as_text()
+  jax.block_until_ready(f(q, k, v))
+  config = AttentionConfig(scale=1 / np.sqrt(H), is_causal=True)
+  record = _check_cuda_launch(q.shape, k.shape, q.dtype, config, hlo)
+  assert record["decode_rows"] == 0 and record["parts"] > 1
+
+
+@pytest.mark.gpu
+def test_cuda_decode_step_runs_what_the_owner_planned(rng):
+  """One decode step of Llama-3-8B's heads over a long cache: the decode
+  kernel, its lean partition over a wave of blocks."""
+  B, S, N, K, H = 2, 20000, 32, 8, 128
+  q, k, v = tu.qkv(rng, B, 1, S, N, K, H, jnp.bfloat16)
+  lengths = jnp.asarray([20000, 9000], jnp.int32)
+  f = jax.jit(decode_attention)
+  hlo = f.lower(q, k, v, lengths).compile().as_text()
+  jax.block_until_ready(f(q, k, v, lengths))
+  config = AttentionConfig(scale=1 / np.sqrt(H), end_aligned=True, has_kv_lens=True)
+  record = _check_cuda_launch(q.shape, k.shape, q.dtype, config, hlo)
+  assert record["decode_rows"] == 4
+  assert record["blocks"] == record["multiprocessors"] * record["blocks_per_sm"]
