@@ -1,10 +1,10 @@
-"""The decode benchmark's harness (``fastattn_jax.bench_decode``): the calls
+"""The decode benchmark's harness (``benchmarks.bench_decode``): the calls
 take turns over the K/V sets, in order, and a case runs end to end."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import bench_decode
+from benchmarks import bench_decode
 
 
 def test_kv_sets_reach_the_footprint():

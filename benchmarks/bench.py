@@ -25,9 +25,9 @@ reported.
 
 Run::
 
-  python -m fastattn_jax.bench                 # full grid (about 10-15 min on 2 CPU cores)
-  python -m fastattn_jax.bench --quick         # tiny grid, a smoke test
-  python -m fastattn_jax.bench --seq-lens 512,1024 --decode-lens 4096 --out /tmp/b
+  python -m benchmarks.bench                # full grid (about 10-15 min on 2 CPU cores)
+  python -m benchmarks.bench --quick        # tiny grid, a smoke test
+  python -m benchmarks.bench --seq-lens 512,1024 --decode-lens 4096 --out /tmp/b
 
 It prints a table and writes ``bench.json`` and ``bench.png`` to ``--out``
 (default ``bench_results/``). Progress goes to stderr.
@@ -336,7 +336,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
-      prog="python -m fastattn_jax.bench",
+      prog="python -m benchmarks.bench",
       description="Times fast_attention against jax.nn.dot_product_attention.")
   parser.add_argument("--quick", action="store_true", help="tiny grid (smoke test)")
   parser.add_argument("--out", default="bench_results", help="output directory")

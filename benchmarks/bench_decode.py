@@ -21,7 +21,7 @@ device's copy bandwidth measured the same way (bytes read plus written by
 
 Run::
 
-  python -m fastattn_jax.bench_decode --out /tmp/decode
+  python -m benchmarks.bench_decode --out /tmp/decode
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from fastattn_jax.bench import int_list
+from benchmarks.bench import int_list
 from fastattn_jax.decode import decode_attention
 
 
@@ -133,7 +133,7 @@ def format_table(rows, names, copy_gbs) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
-      prog="python -m fastattn_jax.bench_decode",
+      prog="python -m benchmarks.bench_decode",
       description="Times decode_attention (T = 1 over a KV cache) against jax.nn.")
   parser.add_argument("--batch", type=int_list, default=(1, 8))
   parser.add_argument("--seq-lens", type=int_list,
