@@ -41,9 +41,7 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from typing import Callable, NamedTuple
 
 import jax
@@ -52,6 +50,7 @@ from tqdm import tqdm
 
 import fastattn_jax
 from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax._util import format_bytes, median_seconds
 
 SUBJECT = "fastattn"
 
@@ -190,29 +189,23 @@ def _memory(compiled) -> dict:
 
 
 def time_compiled(compiled, args, time_budget_s: float, max_repeats: int,
-                  calls_per_loop: int = 1):
-  """Median seconds per call after warm-up; returns (seconds, loops timed).
+                  calls_per_loop: int) -> tuple[float, int]:
+  """Times ``compiled(*args)``: returns (median seconds per call, loops timed).
 
   Each timed loop issues ``calls_per_loop`` calls and waits for the last (on
   GPUs, 20: the launches queue up, so host dispatch stays out of the time).
-  Times as many loops as fit in ``time_budget_s`` (judged by the warm-up),
-  at least 1 and at most ``max_repeats``.
+  After a warm-up call, one loop is timed to judge the cost; then as many
+  loops as fit in ``time_budget_s`` are timed, at least 1 and at most
+  ``max_repeats``.
   """
-  def loop():
-    start = time.perf_counter()
-    for _ in range(calls_per_loop):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls_per_loop
-
-  loop()
-  warmup = loop() * calls_per_loop
-  repeats = max(1, min(max_repeats, int(time_budget_s / warmup)))
-  return statistics.median(loop() for _ in range(repeats)), repeats
+  call = lambda: compiled(*args)
+  loop_s = median_seconds(call, 1, calls=calls_per_loop) * calls_per_loop
+  repeats = max(1, min(max_repeats, int(time_budget_s / loop_s)))
+  return median_seconds(call, repeats, warmup=0, calls=calls_per_loop), repeats
 
 
 def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
-             time_budget_s: float, max_repeats: int, calls_per_loop: int = 1) -> dict:
+             time_budget_s: float, max_repeats: int, calls_per_loop: int) -> dict:
   args = _inputs(case)
   results = {}
   for comp in comps:
@@ -238,13 +231,6 @@ def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
           "results": results, "speedup": speedup}
 
 
-def _format_bytes(n: int) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{n} B"
-
-
 def format_table(rows: list[dict], names: list[str], unit: str = "GFLOP/s") -> str:
   scale = 1e3 if unit == "TFLOP/s" else 1.0
   others = [n for n in names if n != SUBJECT]
@@ -261,7 +247,7 @@ def format_table(rows: list[dict], names: list[str], unit: str = "GFLOP/s") -> s
       r = row["results"][name]
       cells += ([f"{r['ms']:.3f}", f"{r['gflops'] / scale:.1f}"] if "ms" in r else ["skip", "-"])
     cells += [f"{row['speedup'][n]:.2f}x" if n in row["speedup"] else "-" for n in others]
-    cells += [_format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
+    cells += [format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
               for n in names]
     lines.append([str(x) for x in cells])
   widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]

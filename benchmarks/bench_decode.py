@@ -29,15 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
 from benchmarks.bench import int_list
+from fastattn_jax._util import median_seconds
 from fastattn_jax.decode import decode_attention
 
 
@@ -65,22 +64,12 @@ def kv_sets(kv_bytes: int, footprint_bytes: int) -> int:
   return max(1, -(-footprint_bytes // kv_bytes))
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def copy_bandwidth(device, gib: float = 2.0, calls: int = 20, repeats: int = 5) -> float:
   """Device copy bandwidth in bytes/s: (read + write bytes) of ``x + 1`` / time."""
   n = int(gib * 2**30) // 2
   x = jax.device_put(jnp.zeros((n,), jnp.bfloat16), device)
   fn = jax.jit(lambda x: jax.lax.fori_loop(0, calls, lambda _, y: y + 1, x))
-  return 2 * n * 2 * calls / _median_seconds(fn, (x,), repeats)
+  return 2 * n * 2 * calls / median_seconds(lambda: fn(x), repeats)
 
 
 def competitors(platform: str) -> dict:
@@ -107,7 +96,8 @@ def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes):
   row = {"B": B, "S": S, "N": N, "K": K, "H": H, "kv_bytes": kv_bytes, "kv_sets": sets}
   for name, attention in comps.items():
     try:
-      seconds = _median_seconds(_loop(attention, calls), (q, ks, vs, lengths), repeats) / calls
+      loop = _loop(attention, calls)
+      seconds = median_seconds(lambda: loop(q, ks, vs, lengths), repeats) / calls
       row[name] = {"us": seconds * 1e6, "GB/s": kv_bytes / seconds / 1e9}
     except Exception as err:  # a competitor that cannot run this shape
       row[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import textwrap
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -30,6 +29,7 @@ import numpy as np
 
 from examples.bert import encode, load_model, mean_pool_normalize, tokenize
 from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax._util import median_seconds
 
 TOLERANCE = 1e-5  # max abs deviation allowed between fast_attention and jax.nn (float32)
 
@@ -136,17 +136,14 @@ class _Run(NamedTuple):
 
 
 def _time_model(params, config, batch, attention_fn, repeats: int) -> _Run:
-  """Compiles the model with ``attention_fn``, runs it once, then times ``repeats`` runs."""
+  """Compiles the model with ``attention_fn``, runs it once (the warm-up, whose
+  outputs are kept), then times ``repeats`` runs."""
   start = time.perf_counter()
   compiled = _forward.lower(params, *batch, config=config, attention_fn=attention_fn).compile()
   compile_s = time.perf_counter() - start
   hidden, pooled = jax.block_until_ready(compiled(params, *batch))
-  runs = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(params, *batch))
-    runs.append((time.perf_counter() - start) * 1e3)
-  return _Run(np.asarray(hidden), np.asarray(pooled), compile_s, statistics.median(runs))
+  seconds = median_seconds(lambda: compiled(params, *batch), repeats, warmup=0)
+  return _Run(np.asarray(hidden), np.asarray(pooled), compile_s, seconds * 1e3)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
