@@ -114,11 +114,14 @@ def _forced(path: str) -> Callable[[Case], Callable]:
 
 
 def competitors(platform_name: str, dtype: str) -> list[Competitor]:
-  """fast_attention first, then what it is compared with on this platform.
+  """fast_attention first, then what it is compared with on a JAX platform
+  ("cpu", "gpu"), for inputs of ``dtype`` (a dtype name such as "bfloat16":
+  it picks fast_attention's default path).
 
-  On GPUs: jax.nn with "xla" and "cudnn", and fast_attention forced onto the
-  older kernel paths the GPU also runs ("cuda_sm80" under a "cuda_sm90"
-  default, "cuda_sm75" under either), to time them on the same silicon.
+  Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
+  fast_attention forced onto the older kernel paths the GPU also runs
+  ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
+  time them on the same silicon.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
