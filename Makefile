@@ -16,13 +16,13 @@ $(VENV)/.installed-%: pyproject.toml CMakeLists.txt $(shell find csrc fastattn_j
 	touch $@
 
 demo: $(VENV)/.installed-demo
-	$(PY) -m fastattn_jax.demo
+	$(PY) -m examples.demo
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/pytest -n 2 --nbmake tests notebooks
 
 bench: $(VENV)/.installed-test
-	$(PY) -m fastattn_jax.bench
+	$(PY) -m benchmarks.bench
 
 clean:
 	rm -rf $(VENV) build

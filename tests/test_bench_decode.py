@@ -1,10 +1,11 @@
-"""The decode benchmark's harness (``fastattn_jax.bench_decode``): the calls
-take turns over the K/V sets, in order, and a case runs end to end."""
+"""The decode benchmark's harness (``benchmarks.bench_decode``): the calls
+take turns over the K/V sets, in order, a case runs end to end, and the table
+compares fastattn with the fastest competitor."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import bench_decode
+from benchmarks import bench_decode
 
 
 def test_kv_sets_reach_the_footprint():
@@ -39,3 +40,15 @@ def test_run_case_on_the_host():
     assert row[name]["us"] > 0 and row[name]["GB/s"] > 0, row[name]
   table = bench_decode.format_table([row], list(comps), copy_gbs=1.0)
   assert "| 1 | 256 |" in table
+
+
+def test_table_ratio_to_the_fastest_competitor():
+  row = {"B": 8, "S": 4096, "fastattn": {"us": 50.0, "GB/s": 2000.0},
+         "xla": {"us": 65.0, "GB/s": 1500.0}, "cudnn": {"us": 60.0, "GB/s": 1600.0}}
+  slow_cudnn = dict(row, S=8192, cudnn={"error": "XlaRuntimeError: no"})
+  lines = bench_decode.format_table([row, slow_cudnn], ["fastattn", "xla", "cudnn"],
+                                    copy_gbs=4000.0).splitlines()
+  assert lines[0].endswith("| fastattn GB/s | fastattn % copy | "
+                           "fastattn vs fastest of xla, cudnn |")
+  assert lines[2] == "| 8 | 4096 | 50.0 | 65.0 | 60.0 | 2000 | 50% | 1.20x (cudnn) |"
+  assert lines[3] == "| 8 | 8192 | 50.0 | 65.0 | err | 2000 | 50% | 1.30x (xla) |"

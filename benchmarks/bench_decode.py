@@ -17,11 +17,13 @@ memory, as in a decoder where every layer has its own cache: one set small
 enough to stay in the L2 would time the cache instead. Bandwidth = bytes of K
 and V read (2 * B * S * K * H * itemsize) / time, reported against the
 device's copy bandwidth measured the same way (bytes read plus written by
-``x + 1`` over a 2 GiB array).
+``x + 1`` over a 2 GiB array). The table's last column is fastattn's speed
+over the fastest competitor's at each shape (the faster of xla and cuDNN on
+GPUs).
 
 Run::
 
-  python -m fastattn_jax.bench_decode --out /tmp/decode
+  python -m benchmarks.bench_decode --out /tmp/decode
 """
 
 from __future__ import annotations
@@ -29,15 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from fastattn_jax.bench import int_list
+from benchmarks.bench import SUBJECT, int_list
+from fastattn_jax._util import median_seconds
 from fastattn_jax.decode import decode_attention
 
 
@@ -65,27 +66,23 @@ def kv_sets(kv_bytes: int, footprint_bytes: int) -> int:
   return max(1, -(-footprint_bytes // kv_bytes))
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def copy_bandwidth(device, gib: float = 2.0, calls: int = 20, repeats: int = 5) -> float:
-  """Device copy bandwidth in bytes/s: (read + write bytes) of ``x + 1`` / time."""
-  n = int(gib * 2**30) // 2
+def copy_bandwidth(device) -> float:
+  """``device``'s copy bandwidth in bytes/s: the bytes read and written by
+  ``x + 1`` over a 2 GiB bfloat16 array, 20 times in one jitted loop, over
+  the median time of 5 such loops."""
+  n, calls = 2**30, 20
   x = jax.device_put(jnp.zeros((n,), jnp.bfloat16), device)
   fn = jax.jit(lambda x: jax.lax.fori_loop(0, calls, lambda _, y: y + 1, x))
-  return 2 * n * 2 * calls / _median_seconds(fn, (x,), repeats)
+  return 2 * n * 2 * calls / median_seconds(lambda: fn(x), repeats=5)
 
 
 def competitors(platform: str) -> dict:
+  """``{name: attention(q, k, v, lengths)}`` for a JAX platform ("cpu",
+  "gpu"): ``decode_attention`` as SUBJECT, then jax.nn's "xla" and, on GPUs,
+  "cudnn", all with ``key_value_seq_lengths=lengths``. q is (B, 1, N, H),
+  k and v (B, S, K, H), lengths int32 (B,)."""
   comps = {
-      "fastattn": lambda q, k, v, lengths: decode_attention(q, k, v, lengths),
+      SUBJECT: lambda q, k, v, lengths: decode_attention(q, k, v, lengths),
       "xla": lambda q, k, v, lengths: jax.nn.dot_product_attention(
           q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
   }
@@ -95,7 +92,20 @@ def competitors(platform: str) -> dict:
   return comps
 
 
-def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes):
+def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) -> dict:
+  """Times each of ``comps`` on one decode step: q (B, 1, N, H) over full
+  caches k, v (B, S, K, H) of ``dtype``.
+
+  The ``calls`` calls of each timed loop (rounded up to a multiple of the
+  K/V sets) take turns over ``kv_sets(kv_bytes, footprint_bytes)`` random
+  K/V sets; the time per call is the median of ``repeats`` loops over
+  ``calls``.
+
+  Returns:
+    ``{"B", "S", "N", "K", "H", "kv_bytes" (K and V of one set, bytes),
+    "kv_sets", name: {"us": microseconds per call, "GB/s": kv_bytes / time
+    / 1e9} or {"error": why it did not run}}``.
+  """
   kv_bytes = 2 * B * S * K * H * jnp.dtype(dtype).itemsize
   sets = kv_sets(kv_bytes, footprint_bytes)
   calls = -(-calls // sets) * sets
@@ -107,7 +117,8 @@ def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes):
   row = {"B": B, "S": S, "N": N, "K": K, "H": H, "kv_bytes": kv_bytes, "kv_sets": sets}
   for name, attention in comps.items():
     try:
-      seconds = _median_seconds(_loop(attention, calls), (q, ks, vs, lengths), repeats) / calls
+      loop = _loop(attention, calls)
+      seconds = median_seconds(lambda: loop(q, ks, vs, lengths), repeats) / calls
       row[name] = {"us": seconds * 1e6, "GB/s": kv_bytes / seconds / 1e9}
     except Exception as err:  # a competitor that cannot run this shape
       row[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}
@@ -115,25 +126,36 @@ def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes):
   return row
 
 
-def format_table(rows, names, copy_gbs) -> str:
-  head = ["B", "S"] + [f"{n} us" for n in names] + [f"{n} GB/s" for n in names]
-  head += [f"{n}/fastattn" for n in names[1:]] + ["fastattn % copy"]
+def format_table(rows: list[dict], names: list[str], copy_gbs: float) -> str:
+  """A Markdown table of ``run_case`` rows: microseconds per call of each of
+  ``names`` (SUBJECT first), fastattn's GB/s and its share of ``copy_gbs``
+  (GB/s), and its speed over the fastest competitor's at that shape
+  ("1.04x (cudnn)": the competitor takes 1.04 times as long); "err" and "-"
+  where an entry did not run."""
+  rivals = [n for n in names if n != SUBJECT]
+  versus = f"fastest of {', '.join(rivals)}" if len(rivals) > 1 else rivals[0]
+  head = ["B", "S"] + [f"{n} us" for n in names]
+  head += [f"{SUBJECT} GB/s", f"{SUBJECT} % copy", f"{SUBJECT} vs {versus}"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
-    cells = [str(r["B"]), str(r["S"])]
     us = {n: r[n].get("us") for n in names}
-    cells += [f"{us[n]:.1f}" if us[n] else "err" for n in names]
-    cells += [f"{r[n]['GB/s']:.0f}" if us[n] else "err" for n in names]
-    cells += [f"{us[n] / us['fastattn']:.2f}x" if us[n] and us["fastattn"] else "-"
-              for n in names[1:]]
-    cells.append(f"{100 * r['fastattn']['GB/s'] / copy_gbs:.0f}%" if us["fastattn"] else "-")
+    cells = [str(r["B"]), str(r["S"])] + [f"{us[n]:.1f}" if us[n] else "err" for n in names]
+    timed = [n for n in rivals if us[n]]
+    if us[SUBJECT]:
+      cells += [f"{r[SUBJECT]['GB/s']:.0f}", f"{100 * r[SUBJECT]['GB/s'] / copy_gbs:.0f}%"]
+      best = min(timed, key=us.get) if timed else None
+      cells.append(f"{us[best] / us[SUBJECT]:.2f}x ({best})" if best else "-")
+    else:
+      cells += ["-"] * 3
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
 def main(argv=None) -> None:
+  """Command line; see the module docstring. Writes ``bench_decode.json``
+  (device, copy bandwidth in GB/s, dtype, calls, rows) to ``--out``."""
   parser = argparse.ArgumentParser(
-      prog="python -m fastattn_jax.bench_decode",
+      prog="python -m benchmarks.bench_decode",
       description="Times decode_attention (T = 1 over a KV cache) against jax.nn.")
   parser.add_argument("--batch", type=int_list, default=(1, 8))
   parser.add_argument("--seq-lens", type=int_list,

@@ -3,14 +3,16 @@
 What it measures, for each shape of a grid chosen per platform (forward pass
 only, jitted, inputs already on the device):
 
-* time: the median of a few calls of the compiled function, after one
-  warm-up call (``block_until_ready`` around each); the number of calls adapts
-  to the cost of the warm-up call so that large shapes stay affordable;
-* throughput: GFLOP/s = FLOPs / time with FLOPs = 4 * B * N * H * (visible
+* time: ``fastattn_jax._util.median_seconds`` of the compiled function
+  after a warm-up call: the median of loops of calls (20 on GPUs, 1 on the
+  CPU) that wait for the last call; the number of loops adapts to the cost
+  of one so that large shapes stay affordable;
+* throughput: FLOP/s = FLOPs / time with FLOPs = 4 * B * N * H * (visible
   query-key pairs): two matrix products (Q K^T and P V) of 2 * H FLOPs per
   pair. The pairs are T * S without a mask; with ``is_causal`` only the
-  visible ones count (T * (T + 1) / 2 for T = S), so causal GFLOP/s are
-  "useful" GFLOP/s, comparable with the non-causal ones;
+  visible ones count (T * (T + 1) / 2 for T = S), so causal FLOP/s are
+  "useful" FLOP/s, comparable with the non-causal ones. Printed and drawn in
+  TFLOP/s on GPUs, GFLOP/s on the CPU; ``bench.json`` holds GFLOP/s;
 * speedup: competitor time / fast_attention time;
 * memory: XLA's compile-time memory analysis of each jitted function
   (``temp_size_in_bytes``: the scratch buffers XLA allocates, e.g. the T x S
@@ -25,12 +27,16 @@ reported.
 
 Run::
 
-  python -m fastattn_jax.bench                 # full grid (about 10-15 min on 2 CPU cores)
-  python -m fastattn_jax.bench --quick         # tiny grid, a smoke test
-  python -m fastattn_jax.bench --seq-lens 512,1024 --decode-lens 4096 --out /tmp/b
+  python -m benchmarks.bench                # full grid (about 10-15 min on 2 CPU cores)
+  python -m benchmarks.bench --quick        # tiny grid, a smoke test
+  python -m benchmarks.bench --seq-lens 512,1024 --decode-lens 4096 --out /tmp/b
 
-It prints a table and writes ``bench.json`` and ``bench.png`` to ``--out``
-(default ``bench_results/``). Progress goes to stderr.
+  python -m benchmarks.bench --plot-only gpu_run/bench.json   # redraw gpu_run/bench.png
+
+It prints a table and writes ``bench.json`` (the environment and every row)
+and ``bench.png`` (:func:`plot`: throughput and the ratio to the fastest
+competitor per dtype and head dim) to ``--out`` (default ``bench_results/``).
+Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -41,9 +47,7 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from typing import Callable, NamedTuple
 
 import jax
@@ -52,6 +56,7 @@ from tqdm import tqdm
 
 import fastattn_jax
 from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax._util import format_bytes, median_seconds
 
 SUBJECT = "fastattn"
 
@@ -76,6 +81,7 @@ class Case:
     return diagonal * (diagonal + 1) // 2 + (self.T - diagonal) * self.S
 
   def flops(self) -> int:
+    """FLOPs of the forward pass: 4 * B * N * H per visible query-key pair."""
     return 4 * self.B * self.N * self.H * self.visible_pairs()
 
   def logits_bytes(self) -> int:
@@ -108,11 +114,14 @@ def _forced(path: str) -> Callable[[Case], Callable]:
 
 
 def competitors(platform_name: str, dtype: str) -> list[Competitor]:
-  """fast_attention first, then what it is compared with on this platform.
+  """fast_attention first, then what it is compared with on a JAX platform
+  ("cpu", "gpu"), for inputs of ``dtype`` (a dtype name such as "bfloat16":
+  it picks fast_attention's default path).
 
-  On GPUs: jax.nn with "xla" and "cudnn", and fast_attention forced onto the
-  older kernel paths the GPU also runs ("cuda_sm80" under a "cuda_sm90"
-  default, "cuda_sm75" under either), to time them on the same silicon.
+  Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
+  fast_attention forced onto the older kernel paths the GPU also runs
+  ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
+  time them on the same silicon.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
@@ -190,29 +199,36 @@ def _memory(compiled) -> dict:
 
 
 def time_compiled(compiled, args, time_budget_s: float, max_repeats: int,
-                  calls_per_loop: int = 1):
-  """Median seconds per call after warm-up; returns (seconds, loops timed).
+                  calls_per_loop: int) -> tuple[float, int]:
+  """Times ``compiled(*args)``: returns (median seconds per call, loops timed).
 
   Each timed loop issues ``calls_per_loop`` calls and waits for the last (on
   GPUs, 20: the launches queue up, so host dispatch stays out of the time).
-  Times as many loops as fit in ``time_budget_s`` (judged by the warm-up),
-  at least 1 and at most ``max_repeats``.
+  After a warm-up call, one loop is timed to judge the cost; then as many
+  loops as fit in ``time_budget_s`` are timed, at least 1 and at most
+  ``max_repeats``.
   """
-  def loop():
-    start = time.perf_counter()
-    for _ in range(calls_per_loop):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls_per_loop
-
-  loop()
-  warmup = loop() * calls_per_loop
-  repeats = max(1, min(max_repeats, int(time_budget_s / warmup)))
-  return statistics.median(loop() for _ in range(repeats)), repeats
+  call = lambda: compiled(*args)
+  loop_s = median_seconds(call, 1, calls=calls_per_loop) * calls_per_loop
+  repeats = max(1, min(max_repeats, int(time_budget_s / loop_s)))
+  return median_seconds(call, repeats, warmup=0, calls=calls_per_loop), repeats
 
 
 def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
-             time_budget_s: float, max_repeats: int, calls_per_loop: int = 1) -> dict:
+             time_budget_s: float, max_repeats: int, calls_per_loop: int) -> dict:
+  """Compiles and times every competitor on random ``case`` inputs.
+
+  Returns a row of ``bench.json``: ``{"case": Case fields, "flops": int,
+  "results": {name: {"memory": XLA memory analysis in bytes, "skipped":
+  reason or None, and when timed "ms", "repeats", "gflops" (GFLOP/s)}},
+  "speedup": {name: its ms / fastattn's ms}}``. A competitor that does not
+  compile, or whose float32 logits exceed ``budget_bytes``, is reported as
+  skipped; ``time_budget_s``, ``max_repeats`` and ``calls_per_loop`` go to
+  :func:`time_compiled`.
+
+  Raises:
+    KeyError: fast_attention itself (``SUBJECT``) was not timed.
+  """
   args = _inputs(case)
   results = {}
   for comp in comps:
@@ -238,15 +254,18 @@ def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
           "results": results, "speedup": speedup}
 
 
-def _format_bytes(n: int) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{n} B"
+def throughput_unit(platform_name: str) -> tuple[str, float]:
+  """The throughput unit for a JAX platform ("cpu", "gpu", ...): ("TFLOP/s",
+  1e3) on GPUs, ("GFLOP/s", 1.0) elsewhere; the float is GFLOP/s per unit."""
+  return ("TFLOP/s", 1e3) if platform_name == "gpu" else ("GFLOP/s", 1.0)
 
 
-def format_table(rows: list[dict], names: list[str], unit: str = "GFLOP/s") -> str:
-  scale = 1e3 if unit == "TFLOP/s" else 1.0
+def format_table(rows: list[dict], names: list[str], platform_name: str) -> str:
+  """A plain-text table of ``run_case`` rows: per implementation in ``names``
+  the milliseconds and the throughput (``throughput_unit(platform_name)``),
+  the speedups against fast_attention, XLA's compiled scratch, then one line
+  per distinct reason for a skip."""
+  unit, per_unit = throughput_unit(platform_name)
   others = [n for n in names if n != SUBJECT]
   header = ["dtype", "B", "T", "S", "N", "H", "causal"]
   for name in names:
@@ -259,9 +278,10 @@ def format_table(rows: list[dict], names: list[str], unit: str = "GFLOP/s") -> s
     cells = [c["dtype"], c["B"], c["T"], c["S"], c["N"], c["H"], "yes" if c["causal"] else "no"]
     for name in names:
       r = row["results"][name]
-      cells += ([f"{r['ms']:.3f}", f"{r['gflops'] / scale:.1f}"] if "ms" in r else ["skip", "-"])
+      cells += ([f"{r['ms']:.3f}", f"{r['gflops'] / per_unit:.1f}"] if "ms" in r
+                else ["skip", "-"])
     cells += [f"{row['speedup'][n]:.2f}x" if n in row["speedup"] else "-" for n in others]
-    cells += [_format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
+    cells += [format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
               for n in names]
     lines.append([str(x) for x in cells])
   widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
@@ -273,36 +293,141 @@ def format_table(rows: list[dict], names: list[str], unit: str = "GFLOP/s") -> s
   return "\n".join(out)
 
 
-def plot(rows: list[dict], names: list[str], path: str, title: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+def best_competitor_ratio(results: dict, name: str) -> float | None:
+  """``name``'s speed over the fastest competitor's at one point.
 
-  fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+  ``results`` is a row's ``{implementation: result}``; competitors are the
+  entries whose name does not start with "fastattn" (xla, cudnn). Returns
+  None where ``name`` or every competitor was not timed.
+  """
+  rival = max((r["gflops"] for n, r in results.items()
+               if not n.startswith(SUBJECT) and "gflops" in r), default=None)
+  if rival is None or "gflops" not in results.get(name, {}):
+    return None
+  return results[name]["gflops"] / rival
+
+
+def _length_label(n: int) -> str:
+  return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _panel_title(cases: list[dict]) -> str:
+  """dtype and H of a panel's cases, with N and the batch where they are fixed."""
+  parts = [cases[0]["dtype"], f"H={cases[0]['H']}"]
+  if len({c["N"] for c in cases}) == 1:
+    parts.append(f"N={cases[0]['N']}")
+  if len({c["B"] for c in cases}) == 1:
+    parts.append(f"B={cases[0]['B']}")
+  elif len({c["B"] * c["S"] for c in cases}) == 1:
+    parts.append(f"B·S={cases[0]['B'] * cases[0]['S']}")
+  return ", ".join(parts)
+
+
+def plot(rows: list[dict], *, platform_name: str, title: str):
+  """Draws the T = S rows of a run (``run_case`` rows, as in ``bench.json``).
+
+  One column of panels per (dtype, head dim H); x is the sequence length
+  T = S on a log2 axis. Top: throughput in ``throughput_unit(platform_name)``
+  (TFLOP/s on GPUs), one line per (implementation, causal): colour per
+  implementation, solid non-causal, dashed causal. Below: each fastattn
+  entry's speed divided by the fastest competitor's at that point
+  (``best_competitor_ratio``), with the line at 1.0. Off GPUs a third row
+  shows XLA's compiled scratch memory (``temp_size_in_bytes``, log scale).
+  One legend for the figure, below the panels. Rows with T != S (decode) and
+  untimed results are left out.
+
+  Returns:
+    a ``matplotlib.figure.Figure`` (not registered with pyplot; save it
+    with ``savefig``).
+
+  Raises:
+    ValueError: no row has T = S.
+  """
+  from matplotlib.figure import Figure
+  from matplotlib.lines import Line2D
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
   square = [r for r in rows if r["case"]["T"] == r["case"]["S"]]
-  for color, name in enumerate(names):
-    for causal, style in ((False, "-o"), (True, "--s")):
-      sel = [r for r in square if r["case"]["causal"] == causal]
-      timed = [r for r in sel if "ms" in r["results"][name]]
-      label = f"{name}{' causal' if causal else ''}"
-      ax_speed.plot([r["case"]["S"] for r in timed],
-                    [r["results"][name]["gflops"] for r in timed], style, color=f"C{color}",
-                    label=label)
-      ax_mem.plot([r["case"]["S"] for r in sel],
-                  [max(r["results"][name]["memory"].get("temp_size_in_bytes", 0), 1) / 2**20
-                   for r in sel], style, color=f"C{color}", label=label)
-  ax_speed.set(xscale="log", xlabel="sequence length T = S", ylabel="GFLOP/s (useful)",
-               title="throughput")
-  ax_mem.set(xscale="log", yscale="log", xlabel="sequence length T = S",
-             ylabel="XLA temp memory (MiB)", title="compiled scratch memory")
-  for ax in (ax_speed, ax_mem):
-    ax.set_xscale("log", base=2)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+  if not square:
+    raise ValueError("plot: no row with T = S to draw")
+  unit, per_unit = throughput_unit(platform_name)
+  names = list(dict.fromkeys(n for r in square for n in r["results"]))
+  ours = [n for n in names if n.startswith(SUBJECT)]
+  rivals = [n for n in names if not n.startswith(SUBJECT)]
+  rival_label = (f"fastest of\n{', '.join(rivals)}" if len(rivals) > 1
+                 else "".join(rivals) or "competitor")
+  color = {n: f"C{i}" for i, n in enumerate(names)}
+  style = {False: dict(ls="-", marker="o"), True: dict(ls="--", marker="s")}
+  groups = sorted({(r["case"]["dtype"], r["case"]["H"]) for r in square})
+  panel_rows = 2 if platform_name == "gpu" else 3
+  fig = Figure(figsize=(max(8.0, 4.8 * len(groups) + 0.6), 3.2 * panel_rows + 1.5),
+               layout="constrained")
+  grid = fig.add_gridspec(panel_rows, len(groups), height_ratios=(3, 2, 2)[:panel_rows])
+  lengths = sorted({r["case"]["S"] for r in square})
+
+  for col, group in enumerate(groups):
+    sel = sorted((r for r in square if (r["case"]["dtype"], r["case"]["H"]) == group),
+                 key=lambda r: r["case"]["S"])
+    axes = [fig.add_subplot(grid[0, col])]
+    axes += [fig.add_subplot(grid[i, col], sharex=axes[0]) for i in range(1, panel_rows)]
+    for causal in (False, True):
+      pts = [r for r in sel if r["case"]["causal"] == causal]
+      for name in names:
+        timed = [r for r in pts if "gflops" in r["results"].get(name, {})]
+        axes[0].plot([r["case"]["S"] for r in timed],
+                     [r["results"][name]["gflops"] / per_unit for r in timed],
+                     color=color[name], **style[causal])
+        if panel_rows == 3:  # compiled, even where not timed; 0 B drawn as 1 B (log scale)
+          scratch = [(r["case"]["S"], r["results"][name]["memory"]["temp_size_in_bytes"])
+                     for r in pts if "temp_size_in_bytes" in r["results"][name]["memory"]]
+          axes[2].plot([x for x, _ in scratch], [max(y, 1) for _, y in scratch],
+                       color=color[name], **style[causal])
+      for name in ours:
+        ratios = [(r["case"]["S"], best_competitor_ratio(r["results"], name)) for r in pts]
+        ratios = [(x, y) for x, y in ratios if y is not None]
+        axes[1].plot([x for x, _ in ratios], [y for _, y in ratios], color=color[name],
+                     **style[causal])
+    axes[0].set(title=_panel_title([r["case"] for r in sel]),
+                ylabel=f"{unit} (visible pairs)")
+    axes[0].set_ylim(bottom=0)
+    axes[1].axhline(1.0, color="black", lw=1)
+    axes[1].set(ylabel=f"speed ÷ {rival_label}")
+    axes[1].set_ylim(0, max(1.2, axes[1].get_ylim()[1]))
+    if panel_rows == 3:
+      axes[2].set(yscale="log", ylabel="compiled scratch memory\n(XLA memory analysis)")
+      axes[2].yaxis.set_major_locator(LogLocator(base=2, numticks=8))
+      axes[2].yaxis.set_minor_locator(NullLocator())
+      axes[2].yaxis.set_major_formatter(FuncFormatter(lambda y, _: format_bytes(y)))
+    axes[-1].set_xlabel("sequence length T = S")
+    for ax in axes:
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(lengths, [_length_label(n) for n in lengths])
+      ax.xaxis.set_minor_locator(NullLocator())
+      ax.grid(True, alpha=0.3)
+
+  handles = [Line2D([], [], color=color[n], lw=2, label=n) for n in names]
+  handles += [Line2D([], [], color="gray", label=label, **style[causal])
+              for causal, label in ((False, "non-causal"), (True, "causal"))]
+  handles.append(Line2D([], [], color="black", lw=1,
+                        label="1.0: as fast as the fastest competitor"))
+  fig.legend(handles=handles, loc="outside lower center",
+             ncols=len(handles) if len(groups) > 1 else 2)
   fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  return fig
+
+
+def write_png(result: dict, path: str) -> None:
+  """Draws a run (``bench.json``'s content: ``{"environment": ..., "rows":
+  [...]}``) with :func:`plot` and writes the PNG to ``path``.
+
+  Raises:
+    KeyError: ``result`` lacks a field a run writes.
+    ValueError: as :func:`plot`.
+  """
+  env = result["environment"]
+  title = (f"fast_attention ({env['fastattn_path']} path) vs jax.nn.dot_product_attention\n"
+           f"{env['device']}, JAX {env['jax']}")
+  plot(result["rows"], platform_name=env["platform"], title=title).savefig(path, dpi=120)
 
 
 def _cpu_model() -> str:
@@ -317,6 +442,9 @@ def _cpu_model() -> str:
 
 
 def environment() -> dict:
+  """The run's context: platform ("cpu", "gpu"), device, versions, and the
+  path ``fast_attention`` takes by default (float32 on CPUs, bfloat16 on
+  GPUs)."""
   device = jax.devices()[0]
   kind = _cpu_model() if device.platform == "cpu" else device.device_kind
   return {
@@ -331,12 +459,21 @@ def environment() -> dict:
 
 
 def int_list(text: str) -> tuple[int, ...]:
+  """Comma-separated integers ("512,1024"; "" is empty); raises ValueError on
+  anything else."""
   return tuple(int(x) for x in text.split(",") if x)
 
 
 def main(argv=None) -> None:
+  """Command line; see the module docstring.
+
+  Raises:
+    SystemExit: bad arguments, or a platform with no grid (``parser.error``).
+    OSError, KeyError, ValueError: ``--plot-only`` of a file that cannot be
+      read, is not a run's ``bench.json``, or has no T = S row.
+  """
   parser = argparse.ArgumentParser(
-      prog="python -m fastattn_jax.bench",
+      prog="python -m benchmarks.bench",
       description="Times fast_attention against jax.nn.dot_product_attention.")
   parser.add_argument("--quick", action="store_true", help="tiny grid (smoke test)")
   parser.add_argument("--out", default="bench_results", help="output directory")
@@ -350,7 +487,18 @@ def main(argv=None) -> None:
   parser.add_argument("--time-budget", type=float, default=3.0,
                       help="seconds of timed calls per measurement (default 3)")
   parser.add_argument("--max-repeats", type=int, default=10)
+  parser.add_argument("--plot-only", metavar="BENCH_JSON",
+                      help="time nothing: redraw a saved bench.json into the PNG beside it "
+                           "(bench.json -> bench.png)")
   args = parser.parse_args(argv)
+
+  if args.plot_only:
+    with open(args.plot_only) as f:
+      result = json.load(f)
+    png_path = os.path.splitext(args.plot_only)[0] + ".png"
+    write_png(result, png_path)
+    print(f"wrote {png_path}")
+    return
 
   env = environment()
   if env["platform"] not in GRIDS:
@@ -367,7 +515,6 @@ def main(argv=None) -> None:
   comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype)
   names = [c.name for c in comps]
   cases = grid.cases(dtype, seq_lens, decode_lens)
-  unit = "TFLOP/s" if gpu else "GFLOP/s"
 
   env.update(dtype=dtype, memory_budget_gib=round(budget / 2**30, 2))
   for key, value in env.items():
@@ -380,16 +527,16 @@ def main(argv=None) -> None:
                          calls_per_loop=20 if gpu else 1))
 
   print()
-  print(format_table(rows, names, unit))
-  print(f"{unit} = 4*B*N*H*(visible query-key pairs) / time: causal counts only the "
-        "visible pairs (about half).")
+  print(format_table(rows, names, env["platform"]))
+  print(f"{throughput_unit(env['platform'])[0]} = 4*B*N*H*(visible query-key pairs) / time: "
+        "causal counts only the visible pairs (about half).")
   os.makedirs(args.out, exist_ok=True)
   json_path = os.path.join(args.out, "bench.json")
+  result = {"environment": env, "rows": rows}
   with open(json_path, "w") as f:
-    json.dump({"environment": env, "rows": rows}, f, indent=1)
+    json.dump(result, f, indent=1)
   png_path = os.path.join(args.out, "bench.png")
-  plot(rows, names, png_path,
-       f"fast_attention ({env['fastattn_path']} path) vs jax.nn, {dtype}, {env['device']}")
+  write_png(result, png_path)
   print(f"wrote {json_path} and {png_path}")
 
 

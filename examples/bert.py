@@ -54,6 +54,7 @@ class BertConfig:
 
   @property
   def head_dim(self) -> int:
+    """Width of one attention head: ``hidden_size // num_heads``."""
     return self.hidden_size // self.num_heads
 
 
@@ -189,35 +190,28 @@ def load_model(model_dir: str) -> tuple[Params, BertConfig, Tokenizer]:
 
 
 def tokenize(
-  tokenizer: Tokenizer, sentences: Sequence[str], length: int | None = None
+  tokenizer: Tokenizer, sentences: Sequence[str]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Tokenizes ``sentences`` and right-pads them with id 0 to one length.
+
+  The padded length is a bucket: the next power of two >= the longest
+  sentence, at least 16 and at most the tokenizer's truncation length, so
+  batches of similar lengths share one compiled program.
 
   Args:
     tokenizer: from :func:`load_model` (truncates, does not pad).
     sentences: the texts.
-    length: padded length in tokens. Default: a bucket, the next power of
-      two >= the longest sentence, at least 16 and at most the tokenizer's
-      truncation length, so batches of similar lengths share one compiled
-      program.
 
   Returns:
     ``(input_ids, token_type_ids, lengths)``: int32 arrays of shapes
     (n, length), (n, length) and (n,); ``lengths`` counts the real tokens
     of each sentence, [CLS] and [SEP] included.
-
-  Raises:
-    ValueError: a tokenized sentence is longer than ``length``.
   """
   encodings = tokenizer.encode_batch(list(sentences))
   lengths = np.array([len(e.ids) for e in encodings], np.int32)
-  longest = int(lengths.max(initial=1))
-  if length is None:
-    length = max(16, 1 << (longest - 1).bit_length())
-    if tokenizer.truncation:
-      length = min(length, tokenizer.truncation["max_length"])
-  if longest > length:
-    raise ValueError(f"a sentence has {longest} tokens, more than length={length}")
+  length = max(16, 1 << (int(lengths.max(initial=1)) - 1).bit_length())
+  if tokenizer.truncation:
+    length = min(length, tokenizer.truncation["max_length"])
   ids = np.zeros((len(encodings), length), np.int32)
   types = np.zeros((len(encodings), length), np.int32)
   for row, e in enumerate(encodings):
