@@ -82,7 +82,9 @@ def test_single_token_matches_jax_nn(dtype):
   k, v = _cache(rng, B, S_max, K, H, tu.DTYPES[dtype])
   lengths = jnp.array([1, 100, 257], jnp.int32)
   got = decode_attention(q, k, v, lengths, implementation=tu.IMPL)
-  want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+  # "highest": GPUs would otherwise run jax.nn's float32 matmuls in TF32.
+  with jax.default_matmul_precision("highest"):
+    want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
   err = np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)))
   assert err <= tu.JAXNN_TOL[tu.computed_dtype(tu.IMPL, dtype)], err
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import fast_attention
+from fastattn_jax import fast_attention, resolve_implementation
 
 T, S = 4096, 4032  # distinct, so a dim of either size can be told apart
 B, N, K, H = 1, 2, 1, 64
@@ -32,9 +32,17 @@ def _big_shapes(hlo):
   return big
 
 
+def _fused_dtype(impl):
+  """float32, or bfloat16 where the default path gives float32 to the xla path
+  (GPUs: the kernels multiply in 16 bits)."""
+  fused = impl == "xla" or resolve_implementation(impl, dtype=jnp.float32) != "xla"
+  return jnp.float32 if fused else jnp.bfloat16
+
+
 def _compiled_hlo(impl, opts):
-  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
-  kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.float32)
+  dtype = _fused_dtype(impl)
+  q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+  kv = jax.ShapeDtypeStruct((B, S, K, H), dtype)
   opts = dict(opts)
   arrays = {}
   if "bias" in opts:

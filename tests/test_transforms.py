@@ -41,7 +41,7 @@ def test_jit_takes_fused_kernel_on_cpu(qkv, impl):
   if jax.default_backend() != "cpu" or impl not in (None, "cpu"):
     pytest.skip("the CPU kernel is the default path only on CPU")
   hlo = jax.jit(lambda q, k, v: fast_attention(q, k, v, implementation=impl)).lower(*qkv).as_text()
-  assert "fastattn_attention_fwd_cpu" in hlo
+  assert "fastattn_attention_cpu" in hlo
 
 
 # --- vmap ------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // NVRTC, loaded with dlopen. Which libnvrtc to use is decided in Python
-// (fastattn_jax/cuda_runtime.py: the one matching the CUDA major version of
-// the JAX plugin first, from the nvidia-cuda-nvrtc wheels or a CUDA toolkit);
+// (fastattn_jax/cuda.py: the one matching the CUDA major version of the JAX
+// plugin first, from the nvidia-cuda-nvrtc wheels or a CUDA toolkit);
 // this file tries those candidates in order and takes, per target arch, the
 // first that loads and can compile for it.
 #pragma once
