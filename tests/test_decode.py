@@ -200,22 +200,26 @@ def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, **featur
 
 def test_decode_kernel_rules():
   """Which CUDA calls take the decode kernel (at most 8 query rows per
-  key/value head, no bias, mask or query lengths), and its lean partition:
-  one wave of blocks over the heads' key steps, a workspace slot per
-  (block, head) segment."""
+  key/value head, no bias, mask or query lengths), and its partition: the
+  heads' key steps dealt out evenly to a whole number of blocks per head,
+  as many as pay for their fixed cost, a workspace slot per (block, head)
+  segment."""
   assert _h100_launch(1, 1, 4096, 32, 8, 128)["decode"] == 4
   assert _h100_launch(4, 2, 100, 8, 2, 64)["decode"] == 8
   assert not _h100_launch(4, 3, 100, 8, 2, 64)["decode"]  # 12 rows: the forward kernels
   assert not _h100_launch(1, 1, 4096, 32, 8, 128, bias=True)["decode"]
   assert not _h100_launch(1, 1, 0, 32, 8, 128)["decode"]
-  long = _h100_launch(1, 1, 1 << 18, 32, 8, 128, blocks_per_sm=1)
-  assert long["blocks"] == 132 and long["units"] == 8
-  assert long["slots"] == 132 + 8 - 1 and long["counters"] == 8
-  assert long["workspace_floats"] == long["slots"] * 4 * (128 + 1)
-  # Fewer key steps than a wave: one block per step.
+  # One sequence, 8 heads: 16 blocks each, one wave of 128 on 132 multiprocessors.
+  for S in (4096, 1 << 18):
+    plan = _h100_launch(1, 1, S, 32, 8, 128, blocks_per_sm=1)
+    assert plan["blocks"] == 128 and plan["units"] == 8
+    assert plan["slots"] == 128 + 8 - 1 and plan["counters"] == 8
+    assert plan["workspace_floats"] == plan["slots"] * 4 * (128 + 1)
+  # Eight sequences: two blocks per head.
+  assert _h100_launch(8, 1, 1 << 16, 32, 8, 128, blocks_per_sm=1)["blocks"] == 128
+  # Few keys: one block per key step.
   short = _h100_launch(1, 1, 300, 8, 8, 128, blocks_per_sm=1)
-  steps = 8 * -(-300 // short["block_n"])
-  assert short["blocks"] == steps and short["slots"] == steps + 8 - 1
+  assert short["blocks"] == 8 * -(-300 // short["block_n"])
   # Every head in one step: nothing to split.
   whole = _h100_launch(132, 1, 64, 8, 1, 128, blocks_per_sm=1)
   assert whole["blocks"] == 132 and whole["slots"] == 0 and whole["counters"] == 0
