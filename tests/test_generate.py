@@ -1,4 +1,4 @@
-"""fastattn_jax.llama and fastattn_jax.generate: prefill and cached decoding against a
+"""examples.llama and examples.generate: prefill and cached decoding against a
 float64 numpy forward pass over the whole sequence, greedy tokens of offloaded runs equal
 to the all-on-device run, the presets' parameter counts, and the command line."""
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastattn_jax import generate, llama, offload
+from examples import generate, llama
+from fastattn_jax import offload
 from fastattn_jax.decode import KVCache
 
 TINY32 = llama.preset("tiny", dtype="float32")

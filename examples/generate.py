@@ -1,10 +1,10 @@
 """Greedy decoding with a Llama-style decoder over a long KV cache, with host offload.
 
-Run ``python -m fastattn_jax.generate --preset llama3-8b --context 524288``
+Run ``python -m examples.generate --preset llama3-8b --context 524288``
 (``--help`` lists the options). The example and benchmark of
 ``fastattn_jax.offload``:
 
-1. random weights of the preset (``fastattn_jax.llama``: Llama-2-7B or
+1. random weights of the preset (``examples.llama``: Llama-2-7B or
    Llama-3-8B shapes, or ``tiny``) are created on the device;
 2. the rates of the machine are measured (``offload.measure_rates``) and the
    KV cache is planned (``offload.plan_offload``) within the device memory
@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fastattn_jax import llama, offload
+from examples import llama
+from fastattn_jax import offload
 
 #: Device memory kept free beyond the plan (activations, logits, kernel
 #: workspace), on top of one layer's KV for the fill's transient buffers.
@@ -68,7 +69,7 @@ def _gib_arg(text: str) -> float:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """Parses the command line (see ``--help``); exits with status 2 on malformed values."""
-  parser = argparse.ArgumentParser(prog="python -m fastattn_jax.generate",
+  parser = argparse.ArgumentParser(prog="python -m examples.generate",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="tiny", choices=sorted(llama.PRESETS),
                       help="model shape (default: tiny)")
@@ -251,11 +252,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   try:
     _check_args(args, config)
   except ValueError as err:
-    raise SystemExit(f"python -m fastattn_jax.generate: error: {err}") from None
+    raise SystemExit(f"python -m examples.generate: error: {err}") from None
   try:
     return _run(args, config)
   except offload.OffloadError as err:
-    raise SystemExit(f"python -m fastattn_jax.generate: {err}") from None
+    raise SystemExit(f"python -m examples.generate: {err}") from None
 
 
 def _run(args, config: llama.LlamaConfig) -> dict:
@@ -286,7 +287,7 @@ def _run(args, config: llama.LlamaConfig) -> dict:
     # margin is conservative (a smaller context needs a smaller margin).
     context = longest(longest(0))
     if context <= 0 or (args.prompt_len or 1) > context:
-      raise SystemExit(f"python -m fastattn_jax.generate: error: the longest context that "
+      raise SystemExit(f"python -m examples.generate: error: the longest context that "
                        f"fits the budgets is {context} tokens, less than --prompt-len "
                        f"{args.prompt_len or 1}")
     print(f"--context max: {context} tokens fit")
