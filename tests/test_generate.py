@@ -87,15 +87,14 @@ def test_prefill_and_cached_decode_match_a_float64_forward_pass(params, rng):
 
 def _greedy(params, plan, fill, first, steps):
   cache = offload.OffloadedKVCache.build(plan, fill)
-  device_cache = cache.device
+  if plan.mode == "none":
+    cache = cache.device
   tokens, all_logits = first, []
   for _ in range(steps):
-    if plan.mode == "none":
-      logits, device_cache = llama.decode_step(params, device_cache, tokens, config=TINY32)
-    else:
-      logits = llama.offloaded_decode_step(params, cache, tokens, config=TINY32)
+    logits, cache = llama.decode_step(params, cache, tokens, config=TINY32)
     all_logits.append(np.asarray(logits))
     tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+  np.testing.assert_array_equal(cache.lengths, plan.context + steps)
   return np.concatenate(all_logits, axis=1)
 
 
