@@ -92,7 +92,8 @@ def _read_only(lengths: np.ndarray) -> np.ndarray:
   return lengths
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+# Compared by identity and printed without its arrays (caches of many GiB).
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class OffloadedKVCache:
   """A decoder's KV cache placed by an ``OffloadPlan``: device layers, host layers, lengths.
 
@@ -130,8 +131,8 @@ class OffloadedKVCache:
   # "stream": device copies (k, v) of the prefixes in flight, by layer, and the
   # output of the last streamed layer (waited for before the next prefix is
   # staged, so at most two prefixes take device memory).
-  _staged: dict = dataclasses.field(default_factory=dict, repr=False)
-  _last_stream_out: jax.Array | None = dataclasses.field(default=None, repr=False)
+  _staged: dict = dataclasses.field(default_factory=dict)
+  _last_stream_out: jax.Array | None = None
 
   @classmethod
   def build(cls, plan: OffloadPlan, fill: Callable[[int, int], tuple], *, device=None,
