@@ -23,8 +23,9 @@ import numpy as np
 from jax.experimental import io_callback
 
 from fastattn_jax import shapes
+from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import choose_path, run_config, seq_lengths
-from fastattn_jax.shapes import AttentionConfig
+from fastattn_jax.shapes import AttentionConfig, Dims
 
 
 def _check_cache(name, cache_k, cache_v):
@@ -32,14 +33,6 @@ def _check_cache(name, cache_k, cache_v):
     raise ValueError(
         f"{name}: key and value caches must both be (B, S_max, K, H) of one dtype, got "
         f"{cache_k.shape} {cache_k.dtype} and {cache_v.shape} {cache_v.dtype}")
-
-
-def _check_lengths(lengths, B):
-  lengths = jnp.asarray(lengths)
-  if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"lengths must be an integer array of shape (B,) = ({B},), got "
-                     f"{lengths.shape} {lengths.dtype}")
-  return lengths.astype(jnp.int32)
 
 
 def _raise_if_past_end(past_end, lengths, T, S_max):
@@ -66,6 +59,7 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
     The updated ``(cache_k, cache_v)``.
 
   Raises:
+    TypeError: ``lengths`` not of an integer dtype.
     ValueError: at trace time on shapes that do not fit; at once when
       concrete ``lengths`` have ``lengths[b] + T > S_max`` for some b. With
       traced lengths (under jit) the write lands on the last T positions
@@ -80,7 +74,8 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
         f"write: k_new and v_new must be (B, T, K, H) = ({B}, T, {K}, {H}), got "
         f"{k_new.shape} and {v_new.shape}")
   T = k_new.shape[1]
-  lengths = _check_lengths(lengths, B)
+  # No query here: its N is not known, and only B is checked against.
+  lengths = seq_lengths("lengths", lengths, Dims(B=B, T=T, S=S_max, N=K, K=K, H=H))
   past_end = lengths + T > S_max
   if not isinstance(past_end, jax.core.Tracer):
     _raise_if_past_end(np.asarray(past_end), lengths, T, S_max)
@@ -194,7 +189,7 @@ class KVCache:
       if int(x) <= 0:
         raise ValueError(f"KVCache.create: {name} must be positive, got {x}")
     shape = (batch, max_len, kv_heads, head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=_sharding(device))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding_of(device))
     lengths = jnp.zeros((batch,), jnp.int32) if lengths is None else jnp.asarray(
         lengths, jnp.int32)
     if lengths.shape != (batch,):
@@ -250,21 +245,8 @@ class KVCache:
     past_end = lengths > self.max_len
     if not isinstance(past_end, jax.core.Tracer):
       _raise_if_past_end(np.asarray(past_end), self.lengths, T, self.max_len)
-    elif _has_cpu_backend():
+    elif host_cpu_device() is not None:
       io_callback(functools.partial(_raise_if_past_end, T=T, S_max=self.max_len), None,
                   past_end, self.lengths)
     return dataclasses.replace(self, lengths=lengths)
 
-
-@functools.cache
-def _has_cpu_backend() -> bool:
-  try:
-    return bool(jax.devices("cpu"))
-  except RuntimeError:
-    return False
-
-
-def _sharding(device):
-  if device is None or isinstance(device, jax.sharding.Sharding):
-    return device
-  return jax.sharding.SingleDeviceSharding(device)

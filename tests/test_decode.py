@@ -337,3 +337,16 @@ def test_bad_shapes_name_the_argument():
     write(k, k, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 1, 3, 8)), jnp.zeros((2, 1, 3, 8)))
   with pytest.raises(ValueError, match="max_len"):
     KVCache.create(2, 1, 0, 2, 8)
+
+
+@pytest.mark.parametrize("fn", ["decode_attention", "write"])
+def test_lengths_of_a_wrong_dtype_or_shape(fn):
+  """As in fast_attention's sequence lengths: TypeError for the dtype, ValueError for the shape."""
+  k = jnp.zeros((2, 16, 2, 8))
+  run = {"decode_attention": lambda lengths: decode_attention(jnp.zeros((2, 1, 4, 8)), k, k,
+                                                              lengths),
+         "write": lambda lengths: write(k, k, lengths, k[:, :1], k[:, :1])}[fn]
+  with pytest.raises(TypeError, match="lengths must be an integer array"):
+    run(jnp.zeros((2,), jnp.float32))
+  with pytest.raises(ValueError, match=r"lengths must have shape \(B,\) = \(2,\), got \(3,\)"):
+    run(jnp.zeros((3,), jnp.int32))

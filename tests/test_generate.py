@@ -1,4 +1,4 @@
-"""fastattn_jax.llama and fastattn_jax.generate: prefill and cached decoding against a
+"""examples.llama and examples.generate: prefill and cached decoding against a
 float64 numpy forward pass over the whole sequence, greedy tokens of offloaded runs equal
 to the all-on-device run, the presets' parameter counts, and the command line."""
 
@@ -9,10 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastattn_jax import generate, llama, offload
+from examples import generate, llama
+from fastattn_jax import offload
+from fastattn_jax._util import host_cpu_device
 from fastattn_jax.decode import KVCache
 
 TINY32 = llama.preset("tiny", dtype="float32")
+#: Mode "host" computes on the host CPU device, which JAX lacks under JAX_PLATFORMS=cuda.
+needs_cpu = pytest.mark.skipif(host_cpu_device() is None,
+                               reason="JAX has no CPU device (JAX_PLATFORMS without cpu)")
 
 
 @pytest.fixture(autouse=True)
@@ -86,20 +91,20 @@ def test_prefill_and_cached_decode_match_a_float64_forward_pass(params, rng):
 
 def _greedy(params, plan, fill, first, steps):
   cache = offload.OffloadedKVCache.build(plan, fill)
-  device_cache = cache.device
+  if plan.mode == "none":
+    cache = cache.device
   tokens, all_logits = first, []
   for _ in range(steps):
-    if plan.mode == "none":
-      logits, device_cache = llama.decode_step(params, device_cache, tokens, config=TINY32)
-    else:
-      logits = llama.offloaded_decode_step(params, cache, tokens, config=TINY32)
+    logits, cache = llama.decode_step(params, cache, tokens, config=TINY32)
     all_logits.append(np.asarray(logits))
     tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+  np.testing.assert_array_equal(cache.lengths, plan.context + steps)
   return np.concatenate(all_logits, axis=1)
 
 
-@pytest.mark.parametrize("mode,host_layers", [("stream", 2), ("host", 2), ("stream", 4),
-                                              ("host", 1)])
+@pytest.mark.parametrize("mode,host_layers", [
+    ("stream", 2), pytest.param("host", 2, marks=needs_cpu), ("stream", 4),
+    pytest.param("host", 1, marks=needs_cpu)])
 def test_offloaded_greedy_decoding_gives_the_on_device_tokens(params, rng, mode, host_layers):
   Bt, P, context, steps = 2, 6, 90, 6
   prompt = rng.integers(0, TINY32.vocab_size, (Bt, P)).astype(np.int32)
@@ -134,6 +139,7 @@ def test_presets_have_the_published_parameter_counts():
     llama.preset("tiny", num_heads=6, num_kv_heads=4)
 
 
+@needs_cpu
 def test_command_line_offload_modes_agree(tmp_path, capsys):
   common = ["--preset", "tiny", "--context", "300", "--new-tokens", "5", "--batch", "2",
             "--no-progress", "--seed", "7"]

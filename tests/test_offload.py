@@ -11,6 +11,7 @@ import pytest
 
 import fa_testutil as tu
 from fastattn_jax import offload
+from fastattn_jax._util import format_bytes, host_cpu_device
 from fastattn_jax.offload import OffloadedKVCache, OffloadError, Rates, plan_offload
 
 # A small model: L layers of (B, S_max, K, H) float16 caches.
@@ -20,6 +21,10 @@ FULL = 2 * B * (CONTEXT + NEW) * K * H * ITEM  # one layer, S_max positions
 PREFIX = 2 * B * CONTEXT * K * H * ITEM
 TAIL = 2 * B * NEW * K * H * ITEM
 BIG = 1 << 40
+
+#: Mode "host" computes on the host CPU device, which JAX lacks under JAX_PLATFORMS=cuda.
+needs_cpu = pytest.mark.skipif(host_cpu_device() is None,
+                               reason="JAX has no CPU device (JAX_PLATFORMS without cpu)")
 
 #: Copies are fast, the host CPU slow: streaming should win.
 STREAM_WINS = Rates(h2d_bytes_per_s=50e9, device_bytes_per_s=3e12, device_fixed_s=2e-5,
@@ -102,7 +107,7 @@ def test_auto_picks_the_faster_mode_and_explains_why(rates, winner):
   for seconds in (stream_s, host_s):
     assert f"{seconds * 1e3:.2f} ms" in text
   assert f"host layers: {p.host_layers[0]}-{L - 1}" in text
-  assert offload.format_bytes(p.host_kv_bytes) in text
+  assert format_bytes(p.host_kv_bytes) in text
 
 
 def test_auto_needs_rates_only_when_offloading():
@@ -131,9 +136,9 @@ def test_error_when_nothing_fits_says_what_would():
     plan(device_budget_bytes=device, host_budget_bytes=host, rates=STREAM_WINS)
   message = str(err.value)
   # Host mode keeps one layer on the device, so 7 need host memory.
-  assert offload.format_bytes(7 * FULL) + " of host memory (mode 'host')" in message
+  assert format_bytes(7 * FULL) + " of host memory (mode 'host')" in message
   # Two layers fit in host memory, so the device must hold the other six.
-  assert "a device budget of " + offload.format_bytes(6 * FULL) + " (mode 'host')" in message
+  assert "a device budget of " + format_bytes(6 * FULL) + " (mode 'host')" in message
   longest = int(message.split("a context of at most ")[1].split()[0])
   assert 0 < longest < CONTEXT
   fits = lambda context: plan_offload(L, B, context, NEW, K, H, "float16",
@@ -150,6 +155,18 @@ def test_mode_none_that_does_not_fit_points_to_offload():
   longest = int(str(err.value).split("a context of at most ")[1].split()[0])
   # The largest context with L * 2 * B * (context + NEW) * K * H * ITEM <= budget.
   assert longest == (L * FULL - 1) // (L * 2 * B * K * H * ITEM) - NEW
+
+
+def test_longest_context_is_bounded_by_the_budgets_alone():
+  per_position = L * 2 * B * K * H * ITEM
+  assert offload.longest_context(L, B, NEW, K, H, "float16", device_budget_bytes=BIG) == \
+      BIG // per_position - NEW
+  # In mode "host" the layers split evenly between two equal budgets.
+  both = offload.longest_context(L, B, NEW, K, H, "float16", device_budget_bytes=BIG,
+                                 host_budget_bytes=BIG, modes=("host",))
+  assert both == 2 * BIG // per_position - NEW
+  with pytest.raises(ValueError, match="longest_context: num_layers must be positive"):
+    offload.longest_context(0, B, NEW, K, H, "float16", device_budget_bytes=BIG)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -202,12 +219,12 @@ def _run_cache_against_reference(rng, mode, T, device, host_device=None, atol=2e
     return jax.device_put(padded[0], sharding), jax.device_put(padded[1], sharding)
 
   cache = OffloadedKVCache.build(p, fill, device=device, host_device=host_device)
-  kinds = {layer: {x.sharding.memory_kind for x in (cache._host_k[layer], cache._host_v[layer])}
+  kinds = {layer: {x.sharding.memory_kind for x in (cache.host_k[layer], cache.host_v[layer])}
            for layer in p.host_layers}
   if mode == "stream":
     assert all(kind == {"pinned_host"} for kind in kinds.values())
   else:
-    assert all({x.devices().pop().platform for x in (cache._host_k[layer], cache._host_v[layer])}
+    assert all({x.devices().pop().platform for x in (cache.host_k[layer], cache.host_v[layer])}
                == {"cpu"} for layer in p.host_layers)
   assert cache.host_bytes() == p.host_kv_bytes
   history = [[] for _ in range(layers)]
@@ -217,18 +234,18 @@ def _run_cache_against_reference(rng, mode, T, device, host_device=None, atol=2e
       q = rng.standard_normal((batch, T, q_heads, head_dim)).astype(np.float32)
       kv = rng.standard_normal((2, batch, T, kv_heads, head_dim)).astype(np.float32)
       history[layer].append(kv)
-      out = cache.attend(layer, *(jax.device_put(x, sharding) for x in (q, kv[0], kv[1])))
+      out, cache = cache.attend(layer, *(jax.device_put(x, sharding) for x in (q, kv[0], kv[1])))
       assert out.shape == q.shape and out.devices() == {device}
       keys = np.concatenate([prefix[layer]] + history[layer], axis=2)
       expected = reference_attention(q, keys[0], keys[1], lengths)
       np.testing.assert_allclose(np.asarray(out), expected, atol=atol, rtol=atol)
-    cache.advance(T)
+    cache = cache.advance(T)
   np.testing.assert_array_equal(cache.lengths, context + (new // T) * T)
   with pytest.raises(ValueError, match="KV cache overflow"):
     cache.attend(0, *(jnp.zeros((batch, new, n, head_dim)) for n in (q_heads, kv_heads, kv_heads)))
 
 
-@pytest.mark.parametrize("mode", ["stream", "host"])
+@pytest.mark.parametrize("mode", ["stream", pytest.param("host", marks=needs_cpu)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_offloaded_cache_matches_float64_attention(rng, mode, T):
   _run_cache_against_reference(rng, mode, T, jax.devices()[0])
@@ -236,19 +253,23 @@ def test_offloaded_cache_matches_float64_attention(rng, mode, T):
 
 @pytest.mark.skipif(not tu.has_gpu(), reason="needs a GPU: streams from pinned host memory over "
                     "PCIe and runs host layers on jax.devices('cpu')")
-@pytest.mark.parametrize("mode", ["stream", "host"])
+@pytest.mark.parametrize("mode", ["stream", pytest.param("host", marks=needs_cpu)])
 def test_offloaded_cache_on_gpu(rng, mode):
   # float32 products on a GPU may round through TF32 (10-bit mantissa).
-  _run_cache_against_reference(rng, mode, 1, jax.devices("gpu")[0], jax.devices("cpu")[0],
+  _run_cache_against_reference(rng, mode, 1, jax.devices("gpu")[0], host_cpu_device(),
                                atol=3e-3)
 
 
 def test_measure_rates_gives_positive_finite_rates():
   r = offload.measure_rates(1, 4, 2, 16, jnp.float32, contexts=(256, 1024),
                             transfer_bytes=1 << 20, repeats=2)
-  for value in (r.h2d_bytes_per_s, r.device_bytes_per_s, r.host_bytes_per_s):
+  if host_cpu_device() is None:
+    assert r.host_bytes_per_s is None and "no CPU device" in r.describe()
+  else:
+    assert np.isfinite(r.host_bytes_per_s) and r.host_bytes_per_s > 0 and r.host_fixed_s >= 0
+  for value in (r.h2d_bytes_per_s, r.device_bytes_per_s):
     assert np.isfinite(value) and value > 0
-  assert r.device_fixed_s >= 0 and r.host_fixed_s >= 0
+  assert r.device_fixed_s >= 0
   assert "GB/s" in r.describe()
   with pytest.raises(ValueError, match="contexts must be two increasing"):
     offload.measure_rates(contexts=(1024, 256))

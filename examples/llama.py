@@ -14,8 +14,9 @@ Weights are random (from a seed), created directly on the target device. The
 presets have the shapes of Llama-2-7B and Llama-3-8B, plus a ``tiny`` one for
 tests and CPU demos. Prefill runs ``fastattn_jax.fast_attention`` with
 ``is_causal=True``; decoding writes each step's keys and values into a
-``fastattn_jax.decode.KVCache`` (``decode_step``) or a host-offloaded
-``fastattn_jax.offload.OffloadedKVCache`` (``offloaded_decode_step``) and
+``fastattn_jax.decode.KVCache`` or a host-offloaded
+``fastattn_jax.offload.OffloadedKVCache`` (``decode_step``, which supplies the
+layer functions to the scheduler ``fastattn_jax.offload.decode_step``) and
 attends with ``decode_attention``.
 
 Shapes: B batch, T new tokens per step, P prompt tokens, D model width, N
@@ -33,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fastattn_jax import offload
+from fastattn_jax._util import sharding_of
 from fastattn_jax.attention import fast_attention
 from fastattn_jax.decode import KVCache
 
@@ -199,7 +202,7 @@ def init_params(config: LlamaConfig, seed: int = 0, *, device=None) -> Params:
     "wv": (D, K*H), "wo": (N*H, D), "mlp_norm": (D,), "w_gate": (D, F),
     "w_up": (D, F), "w_down": (F, D)}]}``, arrays of ``config.dtype``.
   """
-  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+  sharding = sharding_of(device or jax.devices()[0])
   key = jax.random.key(seed)
   layer_init = jax.jit(functools.partial(_init_layer, config), out_shardings=sharding)
   params = jax.jit(functools.partial(_init_top, config), out_shardings=sharding)(
@@ -261,10 +264,6 @@ def _top(params):
   return {name: value for name, value in params.items() if name != "layers"}
 
 
-def _positions(lengths, T):
-  return jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-
-
 def _check_tokens(tokens, what):
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"{what}: tokens must be an integer array (B, T), got {tokens.shape} "
@@ -298,7 +297,7 @@ def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None)
   if P > config.max_context:
     raise ValueError(f"prefill: P={P} prompt tokens exceed max_context={config.max_context} "
                      f"of preset {config.name!r}")
-  positions = _positions(jnp.zeros((B,), jnp.int32), P)
+  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   x = _embed(params, tokens)
   ks, vs = [], []
   for p in params["layers"]:
@@ -312,142 +311,62 @@ def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None)
 
 # --- decode --------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("config", "slots", "embed", "head", "advance",
-                                             "implementation"), donate_argnames=("cache",))
-def _device_layers(layer_params, top, x, cache: KVCache, *, config, slots, embed, head, advance,
-                   implementation):
-  """Consecutive layers whose caches are in ``cache`` (slot i of ``cache`` per layer), jitted.
+@functools.cache
+def decoder(config: LlamaConfig) -> offload.Decoder:
+  """The layer functions of ``config`` for ``fastattn_jax.offload.decode_step``.
 
-  ``x`` is tokens (B, T) when ``embed``, else the residual stream (B, T, D);
-  returns logits (B, T, V) float32 when ``head``, else the residual stream,
-  and the updated cache (lengths grown by T when ``advance``).
+  One object per config (cached), so the jitted steps compile once per shape.
   """
-  if embed:
-    x = _embed(top, x)
-  positions = _positions(cache.lengths, x.shape[1])
-  for p, slot in zip(layer_params, slots):
-    q, k, v = _attention_inputs(config, p, x, positions)
-    attn, cache = cache.attend(slot, q, k, v, implementation=implementation)
-    x = _attention_output_and_mlp(config, p, x, attn)
-  if advance:
-    cache = cache.advance(x.shape[1])
-  return (_logits(config, top, x) if head else x), cache
+  return offload.Decoder(embed=_embed,
+                         attention_inputs=functools.partial(_attention_inputs, config),
+                         attention_output=functools.partial(_attention_output_and_mlp, config),
+                         head=functools.partial(_logits, config))
 
 
-def decode_step(params: Params, cache: KVCache, tokens, *, config: LlamaConfig,
-                implementation=None):
-  """One decode step over a device-resident KV cache: a single jitted call, cache donated.
+def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, tokens, *,
+                config: LlamaConfig, implementation=None):
+  """One decode step over a KV cache, on the device or partly offloaded to host memory.
 
   Writes the keys and values of the T new tokens of every layer at positions
-  ``cache.lengths[b] + t`` (in place: the cache is donated, so the passed
-  ``cache`` must not be used afterwards) and attends with
-  ``decode_attention`` (causal among the new tokens).
-
-  Args:
-    params: from ``init_params``.
-    cache: a ``KVCache`` of ``config.num_layers`` layers of (B, S_max, K, H)
-      in ``config.dtype``.
-    tokens: (B, T) integer, the new tokens (T = 1 for plain decoding).
-    config: the model shape.
-    implementation: passed to ``decode_attention``.
-
-  Returns:
-    ``(logits, cache)``: logits (B, T, V) float32; the cache with the new
-    positions written and ``lengths`` grown by T.
-
-  Raises:
-    ValueError: tokens not (B, T) integer, a cache whose layer count or
-      shape does not match ``config``, or (as ``decode.write``) positions past
-      S_max.
-  """
-  tokens = jnp.asarray(tokens)
-  _check_tokens(tokens, "decode_step")
-  _check_cache_shape(config, cache.num_layers, cache.k[0].shape, tokens.shape[0])
-  return _device_layers(tuple(params["layers"]), _top(params), tokens, cache, config=config,
-                        slots=tuple(range(config.num_layers)), embed=True, head=True,
-                        advance=True, implementation=implementation)
-
-
-def _check_cache_shape(config, num_layers, layer_shape, B):
-  expected = (B, config.num_kv_heads, config.head_dim)
-  got = (layer_shape[0], *layer_shape[2:])
-  if num_layers != config.num_layers or got != expected:
-    raise ValueError(
-        f"KV cache of {num_layers} layers of {tuple(layer_shape)} does not match preset "
-        f"{config.name!r}: expected {config.num_layers} layers of (B={B}, S_max, "
-        f"K={config.num_kv_heads}, H={config.head_dim})")
-
-
-@functools.partial(jax.jit, static_argnames=("config", "embed"))
-def _host_layer_inputs(p, top, x, lengths, *, config, embed):
-  if embed:
-    x = _embed(top, x)
-  q, k, v = _attention_inputs(config, p, x, _positions(lengths, x.shape[1]))
-  return x, q, k, v
-
-
-@functools.partial(jax.jit, static_argnames=("config", "head"))
-def _host_layer_outputs(p, top, x, attn, *, config, head):
-  x = _attention_output_and_mlp(config, p, x, attn)
-  return _logits(config, top, x) if head else x
-
-
-def offloaded_decode_step(params: Params, cache, tokens, *, config: LlamaConfig,
-                          implementation=None):
-  """One decode step over an ``offload.OffloadedKVCache`` (some layers' KV in host memory).
-
-  Runs of consecutive device-resident layers execute as one jitted call each
-  with their caches donated (``cache.device`` is replaced by the updated
-  cache); a host-resident layer runs its projections on the device and its
-  attention through ``cache.attend`` (streamed to the device, or computed on
-  the host CPU, as ``cache.plan.mode`` says). The placement and the two modes
-  follow FastAttention's CPU-GPU cooperative strategy (Lin et al. 2024); see
-  ``fastattn_jax.offload``.
+  ``cache.lengths[b] + t`` and attends with ``decode_attention`` (causal
+  among the new tokens), scheduled by ``fastattn_jax.offload.decode_step``:
+  a ``KVCache`` runs as a single jitted call; an ``offload.OffloadedKVCache``
+  runs its device-resident layers as jitted calls and serves its
+  host-resident ones as its plan's mode says (streamed to the device, or
+  computed on the host CPU; FastAttention's CPU-GPU cooperative strategy, Lin
+  et al. 2024). The cache is donated: the passed ``cache`` must not be used
+  afterwards.
 
   Args:
     params: from ``init_params``, on the device.
-    cache: an ``OffloadedKVCache`` for ``config`` (updated in place: the new
-      positions written, lengths grown by T).
-    tokens: (B, T) integer, the new tokens.
+    cache: a ``KVCache`` or an ``offload.OffloadedKVCache`` of
+      ``config.num_layers`` layers of (B, S_max, K, H) in ``config.dtype``.
+    tokens: (B, T) integer, the new tokens (T = 1 for plain decoding).
     config: the model shape.
     implementation: passed to ``decode_attention`` for device-resident and
       streamed layers (host-computed layers use the fused "cpu" kernel).
 
   Returns:
-    logits (B, T, V) float32, on the device.
+    ``(logits, cache)``: logits (B, T, V) float32, on the device; the cache
+    with the new positions written and ``lengths`` grown by T.
 
   Raises:
-    ValueError: tokens not (B, T) integer, a cache that does not match
-      ``config``, or positions past the cache's capacity (``cache.plan.max_len``).
+    ValueError: tokens not (B, T) integer, a cache whose layer count or
+      shape does not match ``config``, or positions past S_max (as
+      ``decode.write`` and ``OffloadedKVCache.check_room``).
   """
   tokens = jnp.asarray(tokens)
-  _check_tokens(tokens, "offloaded_decode_step")
-  plan = cache.plan
-  _check_cache_shape(config, plan.num_layers,
-                     (plan.batch, plan.max_len, plan.kv_heads, plan.head_dim), tokens.shape[0])
-  cache.check_room(tokens.shape[1])
-  top = _top(params)
-  layers = params["layers"]
-  lengths = cache.lengths
-  x = tokens
-  embed = True
-  layer = 0
-  while layer < config.num_layers:
-    last = layer == config.num_layers - 1
-    if cache.slot(layer) is None:
-      x, q, k, v = _host_layer_inputs(layers[layer], top, x, lengths, config=config, embed=embed)
-      attn = cache.attend(layer, q, k, v, implementation=implementation)
-      x = _host_layer_outputs(layers[layer], top, x, attn, config=config, head=last)
-      layer += 1
-    else:
-      run = [layer]
-      while run[-1] + 1 < config.num_layers and cache.slot(run[-1] + 1) is not None:
-        run.append(run[-1] + 1)
-      x, cache.device = _device_layers(
-          tuple(layers[i] for i in run), top, x, cache.device, config=config,
-          slots=tuple(cache.slot(i) for i in run), embed=embed,
-          head=run[-1] == config.num_layers - 1, advance=False, implementation=implementation)
-      layer = run[-1] + 1
-    embed = False
-  cache.advance(tokens.shape[1])
-  return x
+  _check_tokens(tokens, "decode_step")
+  if isinstance(cache, offload.OffloadedKVCache):
+    plan = cache.plan
+    layer_shape = (plan.batch, plan.max_len, plan.kv_heads, plan.head_dim)
+  else:
+    layer_shape = cache.k[0].shape
+  expected = (tokens.shape[0], config.num_kv_heads, config.head_dim)
+  if cache.num_layers != config.num_layers or (layer_shape[0], *layer_shape[2:]) != expected:
+    raise ValueError(
+        f"KV cache of {cache.num_layers} layers of {tuple(layer_shape)} does not match preset "
+        f"{config.name!r}: expected {config.num_layers} layers of (B={tokens.shape[0]}, S_max, "
+        f"K={config.num_kv_heads}, H={config.head_dim})")
+  return offload.decode_step(decoder(config), params["layers"], _top(params), cache, tokens,
+                             implementation=implementation)

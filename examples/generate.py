@@ -1,10 +1,10 @@
 """Greedy decoding with a Llama-style decoder over a long KV cache, with host offload.
 
-Run ``python -m fastattn_jax.generate --preset llama3-8b --context 524288``
+Run ``python -m examples.generate --preset llama3-8b --context 524288``
 (``--help`` lists the options). The example and benchmark of
 ``fastattn_jax.offload``:
 
-1. random weights of the preset (``fastattn_jax.llama``: Llama-2-7B or
+1. random weights of the preset (``examples.llama``: Llama-2-7B or
    Llama-3-8B shapes, or ``tiny``) are created on the device;
 2. the rates of the machine are measured (``offload.measure_rates``) and the
    KV cache is planned (``offload.plan_offload``) within the device memory
@@ -15,9 +15,9 @@ Run ``python -m fastattn_jax.generate --preset llama3-8b --context 524288``
    the device one layer at a time, host-resident layers moved to host memory
    layer by layer), which stands in for a long prefill;
 4. ``--new-tokens`` tokens are decoded greedily with ``decode_attention``
-   over the cache (``llama.decode_step`` when the whole cache is on the
-   device, ``llama.offloaded_decode_step`` otherwise); the first step warms
-   up (compiles) and is not timed.
+   over the cache (``llama.decode_step``: one jitted call per step when the
+   whole cache is on the device, the offload scheduler otherwise); the first
+   step warms up (compiles) and is not timed.
 
 It prints and (with ``--out DIR``) writes to ``DIR/results.json``: decode
 tokens/s and per-token latency, device memory in use
@@ -39,8 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fastattn_jax import llama, offload
+from examples import llama
+from fastattn_jax import offload
+from fastattn_jax._util import format_bytes, host_cpu_device
 
+#: How the program is run, for its usage line and error messages.
+PROG = "python -m examples.generate"
 #: Device memory kept free beyond the plan (activations, logits, kernel
 #: workspace), on top of one layer's KV for the fill's transient buffers.
 DEVICE_MARGIN_BYTES = 3 << 29
@@ -68,7 +72,7 @@ def _gib_arg(text: str) -> float:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """Parses the command line (see ``--help``); exits with status 2 on malformed values."""
-  parser = argparse.ArgumentParser(prog="python -m fastattn_jax.generate",
+  parser = argparse.ArgumentParser(prog=PROG,
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="tiny", choices=sorted(llama.PRESETS),
                       help="model shape (default: tiny)")
@@ -124,8 +128,8 @@ def _budgets(args, config, device):
     def budget(context):
       return max(free - DEVICE_MARGIN_BYTES - (context + args.new_tokens) * per_position, 0)
 
-    source = (f"free device memory {offload.format_bytes(free)} after the weights, minus "
-              f"{offload.format_bytes(DEVICE_MARGIN_BYTES)} and one layer's KV")
+    source = (f"free device memory {format_bytes(free)} after the weights, minus "
+              f"{format_bytes(DEVICE_MARGIN_BYTES)} and one layer's KV")
   else:
     # No memory statistics (the CPU backend): device and host share the RAM.
     fixed = int(0.45 * available)
@@ -251,23 +255,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
   try:
     _check_args(args, config)
   except ValueError as err:
-    raise SystemExit(f"python -m fastattn_jax.generate: error: {err}") from None
+    raise SystemExit(f"{PROG}: error: {err}") from None
   try:
     return _run(args, config)
   except offload.OffloadError as err:
-    raise SystemExit(f"python -m fastattn_jax.generate: {err}") from None
+    raise SystemExit(f"{PROG}: {err}") from None
 
 
 def _run(args, config: llama.LlamaConfig) -> dict:
   device = jax.devices()[0]
-  host_device = offload.default_host_device()
+  host_device = host_cpu_device()
   timings = {}
   start = time.perf_counter()
   params = jax.block_until_ready(llama.init_params(config, args.seed, device=device))
   timings["init_weights"] = time.perf_counter() - start
   print(f"{config.name}: {config.num_layers} layers, D={config.d_model}, N={config.num_heads}, "
         f"K={config.num_kv_heads}, H={config.head_dim}, {config.dtype}; weights "
-        f"{offload.format_bytes(config.weight_bytes)} on {device} in "
+        f"{format_bytes(config.weight_bytes)} on {device} in "
         f"{timings['init_weights']:.1f} s")
 
   B, L = args.batch, config.num_layers
@@ -286,7 +290,7 @@ def _run(args, config: llama.LlamaConfig) -> dict:
     # margin is conservative (a smaller context needs a smaller margin).
     context = longest(longest(0))
     if context <= 0 or (args.prompt_len or 1) > context:
-      raise SystemExit(f"python -m fastattn_jax.generate: error: the longest context that "
+      raise SystemExit(f"{PROG}: error: the longest context that "
                        f"fits the budgets is {context} tokens, less than --prompt-len "
                        f"{args.prompt_len or 1}")
     print(f"--context max: {context} tokens fit")
@@ -294,8 +298,8 @@ def _run(args, config: llama.LlamaConfig) -> dict:
     context = args.context
   device_budget = device_budget_for(context)
   prompt_len = args.prompt_len or min(16, context)
-  print(f"device budget for the KV cache: {offload.format_bytes(device_budget)} ({source}); "
-        f"host budget {offload.format_bytes(host_budget)}")
+  print(f"device budget for the KV cache: {format_bytes(device_budget)} ({source}); "
+        f"host budget {format_bytes(host_budget)}")
 
   rates = None
   if args.offload != "none":
@@ -329,17 +333,8 @@ def _run(args, config: llama.LlamaConfig) -> dict:
   timings["fill_cache"] = time.perf_counter() - start
   kv_bytes = {"device_kv_bytes": cache.device_bytes(), "host_kv_bytes": cache.host_bytes()}
 
-  if plan.mode == "none":
-    state = {"cache": cache.device}
-
-    def step(tokens):
-      out, state["cache"] = llama.decode_step(params, state["cache"], tokens, config=config,
-                                              implementation=args.implementation)
-      return out
-  else:
-    def step(tokens):
-      return llama.offloaded_decode_step(params, cache, tokens, config=config,
-                                         implementation=args.implementation)
+  if plan.mode == "none":  # the device cache alone: a step is one jitted call
+    cache = cache.device
 
   tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)  # (B, 1)
   del logits
@@ -348,7 +343,9 @@ def _run(args, config: llama.LlamaConfig) -> dict:
   bar = tqdm(range(args.new_tokens), desc="decoding", unit="tok", disable=args.no_progress)
   for i in bar:
     start = time.perf_counter()
-    tokens = jnp.argmax(step(tokens)[:, -1:], axis=-1).astype(jnp.int32)
+    logits, cache = llama.decode_step(params, cache, tokens, config=config,
+                                      implementation=args.implementation)
+    tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
     generated.append(np.asarray(tokens))  # waits for the step
     elapsed = time.perf_counter() - start
     if i == 0:
@@ -394,12 +391,12 @@ def _print_results(r: dict) -> None:
       f"decode: {r['tokens_per_s']:.2f} tokens/s (B={r['batch']}, context {r['context']}, "
       f"mode {r['plan']['mode']!r}); per-token latency mean {r['step_ms']['mean']:.2f} ms, "
       f"p50 {r['step_ms']['p50']:.2f} ms, p90 {r['step_ms']['p90']:.2f} ms" + predicted,
-      f"device memory: KV cache {offload.format_bytes(mem['device_kv_bytes'])}; " + (
-          ", ".join(f"{name} {offload.format_bytes(mem[name])}"
+      f"device memory: KV cache {format_bytes(mem['device_kv_bytes'])}; " + (
+          ", ".join(f"{name} {format_bytes(mem[name])}"
                     for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
                     if name in mem) or "no allocator statistics on this platform"),
-      f"host memory: KV cache {offload.format_bytes(mem['host_kv_bytes'])}, process peak RSS "
-      f"{offload.format_bytes(mem['process_peak_rss_bytes'])}",
+      f"host memory: KV cache {format_bytes(mem['host_kv_bytes'])}, process peak RSS "
+      f"{format_bytes(mem['process_peak_rss_bytes'])}",
       "timings: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in r["timings_s"].items()),
       f"tokens (sequence 0): {r['tokens'][0]}",
   ]

@@ -1,0 +1,157 @@
+"""One decode step of a decoder over a KV cache whose layers may be offloaded: the scheduler.
+
+A decoder layer computes its attention inputs (projections, position
+encoding) from the residual stream, attends over its cache, then computes the
+rest (output projection, feed-forward, residuals). ``decode_step`` runs the
+layers of any model described by a ``Decoder`` over a
+``fastattn_jax.decode.KVCache`` (all layers in one jitted call) or an
+``OffloadedKVCache``: there, each run of consecutive device-resident layers is
+one jitted call with their caches donated, and each host-resident layer runs
+its projections on the device and its attention through
+``OffloadedKVCache.attend`` (streamed to the device, or computed on the host
+CPU, as the plan's mode says), after FastAttention's CPU-GPU cooperative
+strategy (Lin et al. 2024).
+
+Shapes: B batch, T new tokens, D model width, N query heads, K key/value
+heads, H head dim, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fastattn_jax.decode import KVCache
+from fastattn_jax.offload.cache import OffloadedKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """A decoder model's functions, as ``decode_step`` calls them (traced under ``jax.jit``).
+
+  A static argument of the jitted calls: make one per model shape and reuse
+  it (the fields compare by identity), or every step compiles again.
+
+  Attributes:
+    embed: ``embed(top, tokens) -> x``: tokens (B, T) integer to the
+      residual stream (B, T, D).
+    attention_inputs: ``attention_inputs(layer_params, x, positions) -> (q,
+      k, v)``: q (B, T, N, H), k and v (B, T, K, H) of the cache's dtype, for
+      the new tokens at cache positions ``positions`` (B, T) int32.
+    attention_output: ``attention_output(layer_params, x, attn) -> x``: the
+      rest of the layer, from the attention output (B, T, N, H) and the
+      layer's input x (B, T, D).
+    head: ``head(top, x) -> logits`` (B, T, V).
+  """
+
+  embed: Callable
+  attention_inputs: Callable
+  attention_output: Callable
+  head: Callable
+
+
+def _positions(lengths, T):
+  return jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("decoder", "slots", "embed", "head", "advance",
+                                             "implementation"), donate_argnames=("cache",))
+def _device_layers(layer_params, top, x, cache: KVCache, *, decoder, slots, embed, head, advance,
+                   implementation):
+  """Consecutive layers whose caches are in ``cache`` (slot i of ``cache`` per layer), jitted.
+
+  ``x`` is tokens (B, T) when ``embed``, else the residual stream (B, T, D);
+  returns logits (B, T, V) when ``head``, else the residual stream, and the
+  updated cache (lengths grown by T when ``advance``).
+  """
+  if embed:
+    x = decoder.embed(top, x)
+  positions = _positions(cache.lengths, x.shape[1])
+  for p, slot in zip(layer_params, slots):
+    q, k, v = decoder.attention_inputs(p, x, positions)
+    attn, cache = cache.attend(slot, q, k, v, implementation=implementation)
+    x = decoder.attention_output(p, x, attn)
+  if advance:
+    cache = cache.advance(x.shape[1])
+  return (decoder.head(top, x) if head else x), cache
+
+
+@functools.partial(jax.jit, static_argnames=("decoder", "embed"))
+def _host_layer_inputs(p, top, x, lengths, *, decoder, embed):
+  if embed:
+    x = decoder.embed(top, x)
+  q, k, v = decoder.attention_inputs(p, x, _positions(lengths, x.shape[1]))
+  return x, q, k, v
+
+
+@functools.partial(jax.jit, static_argnames=("decoder", "head"))
+def _host_layer_outputs(p, top, x, attn, *, decoder, head):
+  x = decoder.attention_output(p, x, attn)
+  return decoder.head(top, x) if head else x
+
+
+def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
+                cache: KVCache | OffloadedKVCache, tokens, *, implementation=None):
+  """One decode step: the T new tokens through every layer, their keys and values cached.
+
+  Writes the keys and values of the new tokens of every layer at positions
+  ``cache.lengths[b] + t`` and attends with ``decode_attention`` (causal
+  among the new tokens). Over a ``KVCache`` all layers run as one jitted
+  call; over an ``OffloadedKVCache`` each run of consecutive device-resident
+  layers is one jitted call and each host-resident layer is served through
+  ``OffloadedKVCache.attend`` (see the module docstring). Either cache is
+  donated: the passed ``cache`` must not be used afterwards.
+
+  Args:
+    decoder: the model's functions.
+    layer_params: L per-layer parameter pytrees, on the device.
+    top: the parameters ``decoder.embed`` and ``decoder.head`` read.
+    cache: a ``KVCache`` or an ``OffloadedKVCache`` of L layers.
+    tokens: (B, T) integer, the new tokens (T = 1 for plain decoding).
+    implementation: passed to ``decode_attention`` for device-resident and
+      streamed layers (host-computed layers use the fused "cpu" kernel).
+
+  Returns:
+    ``(logits, cache)``: logits (B, T, V) as ``decoder.head`` gives them, on
+    the device; the cache with the new positions written and ``lengths``
+    grown by T.
+
+  Raises:
+    ValueError: a cache of another number of layers than ``layer_params``,
+      or positions past the cache's ``max_len`` (for a ``KVCache`` under jit
+      as ``KVCache.advance`` reports it).
+  """
+  L = len(layer_params)
+  if cache.num_layers != L:
+    raise ValueError(f"decode_step: a KV cache of {cache.num_layers} layers for {L} layers of "
+                     f"parameters")
+  if isinstance(cache, KVCache):
+    return _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
+                          slots=tuple(range(L)), embed=True, head=True, advance=True,
+                          implementation=implementation)
+  T = tokens.shape[1]
+  cache.check_room(T)
+  x, layer = tokens, 0
+  while layer < L:
+    if cache.slot(layer) is None:
+      x, q, k, v = _host_layer_inputs(layer_params[layer], top, x, cache.lengths,
+                                      decoder=decoder, embed=layer == 0)
+      attn, cache = cache.attend(layer, q, k, v, implementation=implementation)
+      x = _host_layer_outputs(layer_params[layer], top, x, attn, decoder=decoder,
+                              head=layer == L - 1)
+      layer += 1
+    else:
+      end = layer + 1
+      while end < L and cache.slot(end) is not None:
+        end += 1
+      x, device = _device_layers(
+          tuple(layer_params[layer:end]), top, x, cache.device, decoder=decoder,
+          slots=tuple(cache.slot(i) for i in range(layer, end)), embed=layer == 0,
+          head=end == L, advance=False, implementation=implementation)
+      cache = dataclasses.replace(cache, device=device)
+      layer = end
+  return x, cache.advance(T)
