@@ -19,7 +19,7 @@ demo: $(VENV)/.installed-demo
 	$(PY) -m examples.demo
 
 test: $(VENV)/.installed-test
-	$(VENV)/bin/pytest -n 2 --nbmake tests notebooks
+	$(VENV)/bin/pytest -n 2 --slow --nbmake tests notebooks
 
 bench: $(VENV)/.installed-test
 	$(PY) -m benchmarks.bench

@@ -113,7 +113,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
                                    positive=True)),
       has_bias=bias is not None, has_mask=mask is not None,
       has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
-      implementation=choose_path(implementation, q.dtype))
+      implementation=requested_implementation(implementation, q.dtype))
 
   if config.implementation == "cudnn":
     if config.softcap is not None:
@@ -159,7 +159,7 @@ def seq_lengths(name, lengths, dims):
   return lengths
 
 
-def choose_path(implementation, dtype) -> str:
+def requested_implementation(implementation, dtype) -> str:
   """Checks ``implementation``; returns it, or "auto" for None.
 
   Whether a fused path fits the platform is checked when the computation is

@@ -5,8 +5,9 @@ for plain decoding, a few for speculative or chunked decoding) to every
 layer's cache and lets the T new queries attend over the whole cache. That is
 memory-bound work over a long S with few query rows, so the fused paths split
 each sequence's keys across thread blocks (CPU threads) and merge the partial
-softmaxes by their log-sum-exp (split-KV, "flash-decoding"; see
-``fastattn_jax.backends.kv_splits``).
+softmaxes by their log-sum-exp (split-KV, "flash-decoding"; the CUDA kernels'
+partition is planned by ``csrc/cuda/variants.cc: PlanLaunch``, the CPU's by
+its kernel).
 
 Layout: per layer, k and v of (B, S_max, K, H); one ``lengths`` (B,) int32
 for all layers, the number of positions of each sequence already written.
@@ -24,7 +25,7 @@ from jax.experimental import io_callback
 
 from fastattn_jax import shapes
 from fastattn_jax._util import host_cpu_device, sharding_of
-from fastattn_jax.attention import choose_path, run_config, seq_lengths
+from fastattn_jax.attention import requested_implementation, run_config, seq_lengths
 from fastattn_jax.shapes import AttentionConfig, Dims
 
 
@@ -145,7 +146,7 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
       softcap=(None if logits_soft_cap is None else
                shapes.static_float("logits_soft_cap", logits_soft_cap, positive=True)),
       end_aligned=True, has_kv_lens=True,
-      implementation=choose_path(implementation, query.dtype))
+      implementation=requested_implementation(implementation, query.dtype))
   if config.implementation == "cudnn":
     raise ValueError("decode_attention: implementation='cudnn' is not supported; "
                      "use None, 'xla' or a fused path")

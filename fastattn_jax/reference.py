@@ -84,7 +84,8 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   # cannot see never reaches its sums.
   if visible is not None:
     logits = jnp.where(visible, logits, jnp.finfo(acc).min)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  m = jax.lax.stop_gradient(
+      jnp.max(logits, axis=-1, keepdims=True, initial=jnp.finfo(acc).min))  # S = 0 too
   if visible is not None:
     m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)  # rows that see nothing
     p = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0)

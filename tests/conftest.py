@@ -3,11 +3,13 @@
 * Four host CPU devices (``--xla_force_host_platform_device_count=4``) so the
   sharding tests can build a (2, 2) mesh; the flag must be in ``XLA_FLAGS``
   before jax initialises its backends, hence here, before anything imports
-  jax.
+  jax. Likewise, under pytest-xdist, no preallocation of GPU memory.
 * The path under test: ``FASTATTN_TEST_IMPLEMENTATION`` (unset: ``None``, the
   library's choice for the platform) so that the same suite can later run on
   a GPU, e.g. ``JAX_PLATFORMS=cuda FASTATTN_TEST_IMPLEMENTATION=... pytest``.
-* Tests marked ``gpu`` skip with a reason when no GPU is present.
+* Tests marked ``gpu`` skip with a reason when no GPU is present; tests
+  marked ``slow`` (large shapes, many examples) run only with ``--slow``, so
+  that ``pytest tests`` on a GPU stays within minutes; ``make test`` passes it.
 
 Run from the repository root as ``pytest tests`` once the package is
 installed (``make test`` does both).
@@ -18,12 +20,21 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=4"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# Several pytest-xdist workers share a GPU: each takes device memory as it
+# needs it instead of JAX's default 75% at start, which only the first gets.
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import fa_testutil as tu  # noqa: E402
+
+
+def pytest_addoption(parser):
+  parser.addoption("--slow", action="store_true",
+                   help="also run the tests marked slow (make test does)")
 
 
 def pytest_configure(config):
@@ -33,13 +44,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-  if tu.has_gpu():
-    return
-  skip = pytest.mark.skip(
-      reason=f"no GPU: jax.devices() = {jax.devices()!r} (run with JAX_PLATFORMS=cuda on a GPU machine)")
+  skip_slow = pytest.mark.skip(reason="slow: run with --slow (make test does)")
+  skip_gpu = pytest.mark.skip(
+      reason=f"no GPU: jax.devices() = {jax.devices()!r} (run on a machine with a CUDA GPU)")
+  gpu = tu.has_gpu()
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if "slow" in item.keywords and not config.getoption("--slow"):
+      item.add_marker(skip_slow)
+    if "gpu" in item.keywords and not gpu:
+      item.add_marker(skip_gpu)
 
 
 @pytest.fixture

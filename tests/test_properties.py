@@ -2,6 +2,7 @@
 reference under the acceptance rule (fa_testutil.check_call)."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fa_testutil as tu
@@ -42,6 +43,7 @@ def problems(draw):
               bias_shape=bias_shape, mask_shape=mask_shape, seed=seed)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(problems())
 def test_fused_matches_float64_reference(p):

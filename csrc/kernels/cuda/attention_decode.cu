@@ -76,10 +76,11 @@ constexpr int kKeysPerWarp = 32 / kLanesPerKey;
 constexpr int kSteps = fa_decode_steps(kRows);
 #endif
 // The segments' partial rows the merging block has in flight at once: 16 (80
-// registers), but 8 in the CUDA-core build, where ptxas caps the registers
-// sooner (one row: at 128; eight rows: the walk holds q and O of all eight),
-// and 16 spilled.
-constexpr int kMergeLoads = FA_KERNEL_SM < 80 ? 8 : 16;
+// registers) on tensor cores; fewer in the CUDA-core build, whose ptxas caps
+// the registers sooner (eight rows: the walk holds q and O of all eight; one
+// row: capped at 128, 8 loads spilled 16 bytes from H = 160 on sm_80 and
+// sm_90, where 4 take 72 registers in all).
+constexpr int kMergeLoads = FA_KERNEL_SM >= 80 ? 16 : kRows == 1 ? 4 : 8;
 
 struct alignas(16) Chunk {
   unsigned w[4];
