@@ -410,8 +410,10 @@ def plot(rows: list[dict], *, platform_name: str, title: str):
               for causal, label in ((False, "non-causal"), (True, "causal"))]
   handles.append(Line2D([], [], color="black", lw=1,
                         label="1.0: as fast as the fastest competitor"))
+  # As many columns as the figure's width holds (about 2.6 inches each, the
+  # longest label's), in rows below the panels.
   fig.legend(handles=handles, loc="outside lower center",
-             ncols=len(handles) if len(groups) > 1 else 2)
+             ncols=max(1, min(len(handles), int(fig.get_figwidth() / 2.6))))
   fig.suptitle(title)
   return fig
 

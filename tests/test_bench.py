@@ -110,6 +110,20 @@ def test_gpu_figure_tflops_per_dtype_and_head_dim():
   assert_legend_clear_of_the_panels(fig, renderer)
 
 
+def test_one_dtype_on_a_gpu_keeps_the_whole_legend_in_view():
+  """Two columns of panels (one dtype) and five implementations, as
+  ``--dtype bfloat16`` on an H100 draws them: the legend wraps into rows
+  instead of running off the figure's edges."""
+  rows = [r for r in gpu_rows() if r["case"]["dtype"] == "bfloat16"]
+  for r in rows:
+    r["results"]["fastattn_sm75"] = dict(r["results"]["fastattn_sm80"], gflops=190e3)
+  fig, renderer = draw(rows, "gpu")
+  assert len(panels(fig, "TFLOP/s")) == 2
+  (legend,) = fig.legends
+  assert len(legend.get_texts()) == 5 + 2 + 1
+  assert_legend_clear_of_the_panels(fig, renderer)
+
+
 def test_best_competitor_ratio_ignores_our_own_paths():
   results = row(bench.Case(1, 8, 8, 1, 1, 8, False, "float16"),
                 fastattn=300.0, fastattn_sm80=900.0, xla=100.0, cudnn=None)["results"]
