@@ -21,25 +21,21 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
   return nb::capsule(reinterpret_cast<void*>(handler));
 }
 
-nb::dict TileDict(const FaTile& t) {
+nb::dict Dict(const fastattn::PlanFacts& facts) {
   nb::dict d;
-  d["block_m"] = t.block_m;
-  d["block_n"] = t.block_n;
-  d["threads"] = t.threads;
-  d["smem_bytes"] = t.smem_bytes;
+  for (const auto& [name, value] : facts) d[name.c_str()] = value;
   return d;
 }
 
 nb::dict VariantDict(const cu::KernelVariant& v) {
-  nb::dict d;
-  d["key"] = v.Key();
+  nb::dict d = Dict({{"key", v.Key()},
+                     {"kernel_sm", v.kernel_sm},
+                     {"head_dim", v.head_dim},
+                     {"dtype", v.dtype},
+                     {"out_dtype", v.out_dtype},
+                     {"extras", v.extras},
+                     {"decode_rows", v.decode_rows}});
   d["describe"] = v.Describe();
-  d["kernel_sm"] = v.kernel_sm;
-  d["head_dim"] = v.head_dim;
-  d["dtype"] = v.dtype;
-  d["out_dtype"] = v.out_dtype;
-  d["extras"] = v.extras;
-  d["decode_rows"] = v.decode_rows;
   return d;
 }
 
@@ -78,11 +74,7 @@ NB_MODULE(_ffi, m) {
 
   m.def("recorded_plans", []() {
     nb::dict out;
-    for (const auto& [target, facts] : fastattn::RecordedPlans()) {
-      nb::dict d;
-      for (const auto& [name, value] : facts) d[name.c_str()] = value;
-      out[target.c_str()] = d;
-    }
+    for (const auto& [target, facts] : fastattn::RecordedPlans()) out[target.c_str()] = Dict(facts);
     return out;
   }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
 
@@ -136,14 +128,8 @@ NB_MODULE(_ffi, m) {
           if (blocks_per_sm <= 0) blocks_per_sm = cu::MaxBlocksPerSm(v.Tile(arch), arch);
           const cu::LaunchPlan l =
               cu::PlanLaunch(v, B, T, S, N, K, H, arch, multiprocessors, blocks_per_sm);
-          nb::dict d = TileDict(l.tile);
+          nb::dict d = Dict(l.Facts());
           d["blocks_per_sm"] = blocks_per_sm;
-          d["units"] = l.units;
-          d["blocks"] = l.blocks;
-          d["parts"] = l.parts;
-          d["slots"] = l.slots;
-          d["workspace_floats"] = l.workspace_floats;
-          d["counters"] = l.counters;
           return d;
         },
         nb::arg("variant"), nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"),

@@ -141,6 +141,14 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   return "";
 }
 
+std::vector<std::pair<std::string, int64_t>> LaunchPlan::Facts() const {
+  return {{"block_m", tile.block_m},     {"block_n", tile.block_n},
+          {"threads", tile.threads},     {"smem_bytes", tile.smem_bytes},
+          {"units", units},              {"blocks", blocks},
+          {"parts", parts},              {"slots", slots},
+          {"workspace_floats", workspace_floats}, {"counters", counters}};
+}
+
 int MaxBlocksPerSm(const FaTile& tile, int arch) {
   // Threads, shared memory (bytes) and blocks a multiprocessor holds.
   const int threads = arch == 750 ? 1024 : arch == 860 || arch == 870 || arch == 890 ? 1536 : 2048;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention_rules.h"
@@ -82,6 +83,9 @@ struct LaunchPlan {
   int64_t counters = 0;   // the decode kernel's split counters (units, when
                           // split); the forward kernels merge in a second
                           // launch (fa_merge) of `units` blocks instead
+
+  // Every field above by name (the tile's four first), for logs and Python.
+  std::vector<std::pair<std::string, int64_t>> Facts() const;
 };
 LaunchPlan PlanLaunch(const KernelVariant& variant, int64_t B, int64_t T, int64_t S, int64_t N,
                       int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm);

@@ -155,19 +155,16 @@ ffi::Error StreamContext(cu::CUstream stream, const cu::Driver** driver,
 
 void RecordLaunch(const cu::KernelVariant& v, const fastattn::QkvDims& d,
                   const cu::LoadedKernel& kernel, const cu::LaunchPlan& plan) {
-  fastattn::RecordPlan(
-      "cuda", {{"variant", v.Key()},       {"kernel_head_dim", v.head_dim},
-               {"decode_rows", v.decode_rows}, {"B", d.B},
-               {"T", d.T},                   {"S", d.S},
-               {"N", d.N},                   {"K", d.K},
-               {"H", d.H},                   {"arch", kernel.arch},
-               {"multiprocessors", kernel.multiprocessors},
-               {"blocks_per_sm", kernel.blocks_per_sm},
-               {"block_m", plan.tile.block_m}, {"block_n", plan.tile.block_n},
-               {"threads", plan.tile.threads}, {"smem_bytes", plan.tile.smem_bytes},
-               {"units", plan.units},         {"blocks", plan.blocks},
-               {"parts", plan.parts},         {"slots", plan.slots},
-               {"workspace_floats", plan.workspace_floats}, {"counters", plan.counters}});
+  fastattn::PlanFacts facts = {{"variant", v.Key()},
+                               {"kernel_head_dim", v.head_dim},
+                               {"decode_rows", v.decode_rows},
+                               {"B", d.B}, {"T", d.T}, {"S", d.S},
+                               {"N", d.N}, {"K", d.K}, {"H", d.H},
+                               {"arch", kernel.arch},
+                               {"multiprocessors", kernel.multiprocessors},
+                               {"blocks_per_sm", kernel.blocks_per_sm}};
+  for (auto& fact : plan.Facts()) facts.push_back(std::move(fact));
+  fastattn::RecordPlan("cuda", std::move(facts));
 }
 
 ffi::ErrorOr<std::unique_ptr<SiteState>> InstantiateImpl(CallAttrs attrs) {
