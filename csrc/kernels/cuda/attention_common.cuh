@@ -263,23 +263,32 @@ __device__ __forceinline__ void fa_store_quad(void* out, long long at, const flo
 
 // What a block of fa_forward owns: query rows [m0, m0 + block_m) of batch b,
 // head n (reading key/value head kvh), and split `split` of their key tiles:
-// unit `unit` of fa_forward_units. Consecutive blocks share (b, n), so the
-// K/V they stream hit L2 together; the splits of one unit are grid-wide
-// apart, and causal row blocks go heaviest first to shorten the tail.
+// unit `unit` of fa_forward_units. [t_begin, t_end) are the tiles of block_n
+// keys it walks: its split's share of those covering the keys [lo, hi) that
+// some row of the block sees. Consecutive blocks share (b, n), so the K/V
+// they stream hit L2 together; the splits of one unit are grid-wide apart,
+// and causal row blocks go heaviest first to shorten the tail.
 struct FaBlock {
-  int b, n, kvh, m0, q_len, kv_len, split, unit;
+  int b, n, kvh, m0, q_len, kv_len, split, unit, lo, hi, t_begin, t_end;
 };
 
-__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m) {
+__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m, int block_n) {
   const int num_m = (p.T + block_m - 1) / block_m;
   const int units = num_m * p.N * p.B;
-  const int split = blockIdx.x / units, unit = blockIdx.x - split * units;
-  int mb = unit % num_m;
-  const int bn = unit / num_m;
-  const int n = bn % p.N, b = bn / p.N;
+  FaBlock k;
+  k.split = blockIdx.x / units;
+  k.unit = blockIdx.x - k.split * units;
+  int mb = k.unit % num_m;
+  const int bn = k.unit / num_m;
+  k.n = bn % p.N, k.b = bn / p.N;
   if (p.rules.causal) mb = num_m - 1 - mb;
-  return FaBlock{b, n, n / (p.N / p.K), mb * block_m, fa_q_len(p, b), fa_kv_len(p, b), split,
-                 unit};
+  k.kvh = k.n / (p.N / p.K);
+  k.m0 = mb * block_m;
+  k.q_len = fa_q_len(p, k.b), k.kv_len = fa_kv_len(p, k.b);
+  fa_rows_keys(p.rules, k.q_len, k.kv_len, k.m0, k.m0 + block_m, &k.lo, &k.hi);
+  fa_key_tiles(k.lo, k.hi, block_n, &k.t_begin, &k.t_end);
+  fa_split_tiles(k.split, p.split.parts, &k.t_begin, &k.t_end);
+  return k;
 }
 
 // A tile of rows of a (B, L, heads, H) 16-bit array: row r at base + r * ld;

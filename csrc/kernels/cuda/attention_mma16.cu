@@ -107,20 +107,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  const FaBlock blk = fa_block(p, kBr);
+  const FaBlock blk = fa_block(p, kBr, kBc);
   const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
   const int q_len = blk.q_len, kv_len = blk.kv_len;
 
-  int lo, hi;
-  fa_rows_keys(p.rules, q_len, kv_len, m0, m0 + kBr, &lo, &hi);
   // This warp's rows: tiles it cannot see at all are skipped, tiles it sees
   // whole skip the elementwise mask.
   const int w0 = m0 + warp * 16 * kMt, w1 = w0 + 16 * kMt;
   int wlo, whi;
   fa_rows_keys(p.rules, q_len, kv_len, w0, w1, &wlo, &whi);
-  int t_begin, t_end;
-  fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
-  fa_split_tiles(blk.split, p.split.parts, &t_begin, &t_end);
+  const int t_begin = blk.t_begin, t_end = blk.t_end;
 
   // K / V tile sources, their bases recomputed from the parameters each time
   // rather than held in registers across the loop.
@@ -292,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // The block's unit, recomputed rather than kept live across the loop.
-  const FaBlock end = fa_block(p, kBr);
+  const FaBlock end = fa_block(p, kBr, kBc);
   const long long slot = fa_forward_slot(p, end);
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)

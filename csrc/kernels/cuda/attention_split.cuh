@@ -132,8 +132,9 @@ __device__ __forceinline__ long long fa_forward_slot(const FaParams& p, const Fa
 // kernel 80 at H = 128.)
 #ifndef FA_DECODE_ROWS
 extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaParams p) {
-  const int block_m = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__).block_m;
-  const FaBlock blk = fa_block(p, block_m);  // blockIdx.x: the unit, split 0
+  constexpr FaTile tile = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__);
+  const int block_m = tile.block_m;
+  const FaBlock blk = fa_block(p, block_m, tile.block_n);  // blockIdx.x: the unit, split 0
   fa_merge_segments<8>(p, p.split, (long long)blk.unit * p.split.parts, p.split.parts, block_m,
                        min(block_m, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
                        [&](int r) { return fa_at(p.out_stride, blk.b, blk.m0 + r, blk.n); },

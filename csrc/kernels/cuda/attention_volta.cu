@@ -200,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   uint2* sk2 = sq2 + kSmemQ / 8;
   uint2* sv2 = kOneKV ? sk2 : sk2 + kSmemKV / 8;
 
-  const FaBlock blk = fa_block(p, kBr);
+  const FaBlock blk = fa_block(p, kBr, kBc);
   const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int t = lane & 3, t0 = lane & 1, t1 = (lane >> 1) & 1, h = lane >> 4;
@@ -217,8 +217,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   const int a_row = warp * kRW + h * 4 * kRG + rg * 4 + t;
   const int c_row0 = wm0 + h * 4 * kRG + rg * 4 + t0;  // and c_row0 + 2
 
-  int lo, hi, wlo, whi;
-  fa_rows_keys(p.rules, q_len, kv_len, m0, m0 + kBr, &lo, &hi);
+  int wlo, whi;
   fa_rows_keys(p.rules, q_len, kv_len, wm0, wm0 + kRW, &wlo, &whi);
 
   for (int i = tid; i < kBr * kH / 8; i += kThreads)
@@ -231,9 +230,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
   float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
 
-  int t_begin, t_end;
-  fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
-  fa_split_tiles(blk.split, p.split.parts, &t_begin, &t_end);
+  const int t_begin = blk.t_begin, t_end = blk.t_end;
   const int n_begin = t_begin * kBc, n_end = t_end * kBc;
   uint4 pre[kLoadsKV];
   auto fetch = [&](const unsigned short* g, int n0) {
@@ -351,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 
   // Epilogue: the row sums are split over the bit-1 partner. The block's unit
   // is recomputed rather than kept live across the loop.
-  const FaBlock end = fa_block(p, kBr);
+  const FaBlock end = fa_block(p, kBr, kBc);
   const long long slot = fa_forward_slot(p, end);
   float inv[2], lse2[2];
 #pragma unroll

@@ -244,15 +244,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
 
-  const FaBlock blk = fa_block(p, kBr);
+  const FaBlock blk = fa_block(p, kBr, kBc);
   const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
   const int q_len = blk.q_len, kv_len = blk.kv_len;
 
-  int lo, hi;
-  fa_rows_keys(p.rules, q_len, kv_len, m0, m0 + kBr, &lo, &hi);
-  int t_begin, t_end;
-  fa_key_tiles(lo, hi, kBc, &t_begin, &t_end);
-  fa_split_tiles(blk.split, p.split.parts, &t_begin, &t_end);
+  const int t_begin = blk.t_begin, t_end = blk.t_end;
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
@@ -407,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // The block's unit, recomputed rather than kept live across the loop.
-  const FaBlock end = fa_block(p, kBr);
+  const FaBlock end = fa_block(p, kBr, kBc);
   fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, to_log2,
                 fa_forward_slot(p, end));
 }
