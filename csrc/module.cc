@@ -9,8 +9,9 @@
 #include "cuda/kernel_cache.h"
 #include "cuda/nvrtc.h"
 #include "cuda/variants.h"
+#include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
-#include "ffi/plan_record.h"
+#include "kernels/cpu/attention_cpu.h"
 
 namespace nb = nanobind;
 namespace cu = fastattn::cuda;
@@ -77,6 +78,15 @@ NB_MODULE(_ffi, m) {
     for (const auto& [target, facts] : fastattn::RecordedPlans()) out[target.c_str()] = Dict(facts);
     return out;
   }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
+
+  m.def("cpu_plan",
+        [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t workers) {
+          fastattn::AttentionParams p;
+          p.B = B, p.T = T, p.S = S, p.N = N, p.K = K, p.H = H;
+          return Dict(fastattn::PlanCpu(p, workers).Facts());
+        },
+        nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"), nb::arg("K"), nb::arg("H"),
+        nb::arg("workers"), "How the CPU kernel runs a call on that many workers.");
 
   // --- CUDA kernels: the rules (csrc/cuda/variants.h), no GPU needed ----------
 

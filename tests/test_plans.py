@@ -75,3 +75,32 @@ def test_cuda_decode_step_runs_what_the_owner_planned(rng):
   # A whole number of blocks per head, within one wave.
   assert record["blocks"] % record["units"] == 0
   assert record["blocks"] <= record["multiprocessors"] * record["blocks_per_sm"]
+
+
+def _check_cpu_plan(B, T, S, N, K, H):
+  record = _ffi.recorded_plans()["cpu"]
+  assert (record["B"], record["T"], record["S"], record["N"], record["K"], record["H"]) == (
+      B, T, S, N, K, H)
+  planned = _ffi.cpu_plan(B, T, S, N, K, H, record["pool_threads"])
+  for fact, value in planned.items():
+    assert record[fact] == value, (fact, record, planned)
+  return record
+
+
+def test_cpu_prefill_and_decode_run_what_the_planner_planned(rng):
+  """The CPU handler runs the kernel on XLA's thread pool with the plan
+  ``_ffi.cpu_plan`` gives for its shapes and the pool's size: a prefill in
+  row tiles, and a decode step split over the keys of one sequence."""
+  q, k, v = tu.qkv(rng, 2, 300, 500, 4, 2, 40)
+  jax.block_until_ready(jax.jit(
+      lambda q, k, v: fast_attention(q, k, v, is_causal=True, implementation="cpu"))(q, k, v))
+  record = _check_cpu_plan(2, 300, 500, 4, 2, 40)
+  assert not record["decode"] and record["Br"] > 0 and record["workers"] >= 1
+
+  q, k, v = tu.qkv(rng, 1, 1, 20000, 8, 2, 64, jnp.bfloat16)
+  lengths = jnp.asarray([19000], jnp.int32)
+  jax.block_until_ready(jax.jit(
+      lambda q, k, v: decode_attention(q, k, v, lengths, implementation="cpu"))(q, k, v))
+  record = _check_cpu_plan(1, 1, 20000, 8, 2, 64)
+  assert record["decode"] and record["items"] == record["splits"]
+  assert record["splits"] == min(record["pool_threads"], 20000 // 1024)

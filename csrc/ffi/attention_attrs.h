@@ -1,11 +1,16 @@
 // What the CPU and CUDA FFI handlers share: the attributes of one call
 // (fastattn_jax/backends.py and cuda.py build them), decoded into the index
-// rules once, and the checks of the operands' shapes.
+// rules once, the checks of the operands' shapes, and the record of the plan
+// each target ran its latest call with.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/attention_rules.h"
 #include "xla/ffi/api/ffi.h"
@@ -89,6 +94,34 @@ inline xla::ffi::Error BroadcastStrides(const char* name, xla::ffi::Span<const i
     stride *= dims[d];
   }
   return xla::ffi::Error::Success();
+}
+
+// The launch plan a target ran its latest call with, as named integers: what
+// the handler asked the plan functions (csrc/cuda/variants.h,
+// csrc/kernels/cpu/attention_cpu.h) and launched. Python reads them with
+// fastattn_jax._ffi.recorded_plans(), to check and explain what ran.
+using PlanFacts = std::vector<std::pair<std::string, int64_t>>;
+
+struct PlanRecords {
+  std::mutex mu;
+  std::map<std::string, PlanFacts> latest;  // by target
+};
+
+inline PlanRecords& Records() {
+  static auto* records = new PlanRecords();
+  return *records;
+}
+
+// Replaces `target`'s record. Thread-safe.
+inline void RecordPlan(const std::string& target, PlanFacts facts) {
+  std::lock_guard<std::mutex> lock(Records().mu);
+  Records().latest[target] = std::move(facts);
+}
+
+// Every target's latest record.
+inline std::map<std::string, PlanFacts> RecordedPlans() {
+  std::lock_guard<std::mutex> lock(Records().mu);
+  return Records().latest;
 }
 
 }  // namespace fastattn

@@ -1,8 +1,12 @@
-// XLA FFI handler of the fused CPU attention: checks the buffers XLA hands
-// over, fills fastattn::AttentionParams and calls the kernel.
+// XLA FFI handler of the fused CPU attention, target fastattn_attention_cpu:
+// checks the buffers XLA hands over, fills fastattn::AttentionParams, and runs
+// the kernel on XLA's intra-op thread pool (ffi::ThreadPool), recording its
+// plan (csrc/ffi/attention_attrs.h: RecordPlan).
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 
 #include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
@@ -23,11 +27,11 @@ bool ToElementType(ffi::DataType dtype, fastattn::ElementType* out) {
   }
 }
 
-ffi::Error AttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                   ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
-                                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                                   ffi::Result<ffi::AnyBuffer> out,
-                                   ffi::ResultBuffer<ffi::F32> lse, CallAttrs attrs) {
+ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
+                            ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                            CallAttrs attrs) {
   fastattn::QkvDims d;
   if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
       err.failure()) {
@@ -69,14 +73,16 @@ ffi::Error AttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
       err.failure()) {
     return err;
   }
-  const FaRules rules = fastattn::RulesOf(attrs);
-  p.scale = rules.scale;
-  p.softcap = rules.softcap;
-  p.causal = rules.causal != 0;
-  p.end_aligned = rules.end_aligned != 0;
-  p.window_left = rules.window_left;
-  p.window_right = rules.window_right;
-  fastattn::attention_forward_cpu(p);
+  p.rules = fastattn::RulesOf(attrs);
+  fastattn::CpuWorkers workers;
+  workers.count = std::max<int64_t>(pool.num_threads(), 1);
+  workers.run = [&pool](std::function<void()> task) { pool.Schedule(std::move(task)); };
+  fastattn::PlanFacts facts = {{"B", p.B}, {"T", p.T}, {"S", p.S}, {"N", p.N}, {"K", p.K},
+                               {"H", p.H}, {"pool_threads", workers.count}};
+  for (auto& fact : fastattn::attention_forward_cpu(p, workers).Facts()) {
+    facts.push_back(std::move(fact));
+  }
+  fastattn::RecordPlan("cpu", std::move(facts));
   return ffi::Error::Success();
 }
 
@@ -84,6 +90,7 @@ ffi::Error AttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionCpuImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()            // query
                                   .Arg<ffi::AnyBuffer>()            // key
                                   .Arg<ffi::AnyBuffer>()            // value

@@ -27,7 +27,6 @@
 #include "cuda/variants.h"
 #include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
-#include "ffi/plan_record.h"
 #include "kernels/cuda/attention_common.cuh"
 
 namespace ffi = xla::ffi;

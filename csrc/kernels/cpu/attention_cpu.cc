@@ -38,22 +38,19 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <new>
-#include <system_error>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
 #include "cpu_float16.h"
+#include "split_policy.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define FASTATTN_X86 1
@@ -99,7 +96,7 @@ constexpr int64_t kDecodeTileBytes = 256 * 1024;
 // Vectors of an O row accumulated at once on the decode path.
 constexpr int kRowVecs = 8;
 
-// Below this many floating-point operations per extra thread, a thread costs more than it saves:
+// Below this many floating-point operations per extra worker, a worker costs more than it saves:
 // a second thread breaks even at T = S = 64, N = 4, H = 64 (4.2 MFLOP, 104 vs 96 us).
 constexpr double kFlopsPerThread = 4e6;
 // Split-KV: each split of a row's key range covers at least this many keys.
@@ -231,7 +228,8 @@ constexpr int kVecs = 3;
 #include "attention_cpu_kernel.inc"
 }  // namespace baseline
 
-using Worker = void (*)(const Problem&, float*, std::atomic<int64_t>&);
+// Takes work items from `next` until none is left; returns how many it took.
+using Worker = int64_t (*)(const Problem&, float*, std::atomic<int64_t>&);
 
 Worker best_worker() {
 #if FASTATTN_X86
@@ -280,87 +278,128 @@ void combine_splits(const Problem& pb) {
   }
 }
 
-int available_cpus() {
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
 struct AlignedFree {
   void operator()(float* ptr) const { ::operator delete(ptr, std::align_val_t{64}); }
 };
 
-void run_attention(const AttentionParams& p, int num_threads, Worker worker) {
-  if (p.B <= 0 || p.T <= 0 || p.N <= 0 || p.K <= 0 || p.H <= 0) return;
-
+// Everything the workers share, kept alive by each task that holds it: a task that starts after
+// the call returned finds no item left and reads nothing else.
+struct Shared {
+  AttentionParams p;
   Problem pb{};
-  pb.p = &p;
-  pb.G = p.N / p.K;
-  pb.packed_rows = p.T * pb.G;
-  const int64_t cpus = num_threads > 0 ? num_threads : available_cpus();
+  int64_t workers = 1;
+  std::vector<float> partials;
+  std::unique_ptr<float, AlignedFree> scratch;  // per-worker scratch, workers x floats
+  int64_t scratch_floats = 0;
+  std::atomic<int64_t> next{0};       // the next work item
+  std::atomic<int64_t> slots{1};      // the next worker's scratch (0: the caller's)
+  std::atomic<int64_t> finished{0};   // work items done
+  std::mutex mu;
+  std::condition_variable all_done;
+};
+
+// Takes work items until none is left; wakes the caller when the last one is done.
+void take_items(Shared& sh, int64_t slot, Worker worker) {
+  const int64_t done = worker(sh.pb, sh.scratch.get() + slot * sh.scratch_floats, sh.next);
+  if (done > 0 && sh.finished.fetch_add(done) + done == sh.pb.items) {
+    std::lock_guard<std::mutex> lock(sh.mu);
+    sh.all_done.notify_all();
+  }
+}
+
+// The plan of a call (Problem's sizes) and the workers worth using.
+void plan(const AttentionParams& p, int64_t cpus, Problem* pb, int64_t* workers) {
+  *pb = Problem{};
+  pb->G = p.N / p.K;
+  pb->packed_rows = p.T * pb->G;
   int64_t base_items;
-  pb.decode = pb.packed_rows <= kFewRows;
-  if (pb.decode) {
+  pb->decode = pb->packed_rows <= kFewRows;
+  if (pb->decode) {
     const int64_t hp = round_up(p.H, 16);
-    pb.decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * hp) / 16 * 16, 16, kBc);
-    pb.q_floats = p.K * pb.packed_rows * hp;
-    pb.kv_floats = 2 * pb.decode_keys * p.K * hp;
-    pb.row_capacity = round_up(p.K * pb.packed_rows, 16);
+    pb->decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * hp) / 16 * 16, 16, kBc);
+    pb->q_floats = p.K * pb->packed_rows * hp;
+    pb->kv_floats = 2 * pb->decode_keys * p.K * hp;
+    pb->row_capacity = round_up(p.K * pb->packed_rows, 16);
     base_items = p.B;
   } else {
-    pb.Br = kMaxBr;
-    while (pb.Br > kBb && (pb.Br * p.H > kMaxQtFloats ||
-                           p.B * p.K * ceil_div(pb.packed_rows, pb.Br) < 4 * cpus)) {
-      pb.Br /= 2;
+    pb->Br = kMaxBr;
+    while (pb->Br > kBb && (pb->Br * p.H > kMaxQtFloats ||
+                            p.B * p.K * ceil_div(pb->packed_rows, pb->Br) < 4 * cpus)) {
+      pb->Br /= 2;
     }
-    pb.tiles = ceil_div(pb.packed_rows, pb.Br);
-    pb.q_floats = p.H * pb.Br;
-    pb.kv_floats = 2 * kBc * p.H;
-    pb.row_capacity = pb.Br;
-    base_items = p.B * p.K * pb.tiles;
+    pb->tiles = ceil_div(pb->packed_rows, pb->Br);
+    pb->q_floats = p.H * pb->Br;
+    pb->kv_floats = 2 * kBc * p.H;
+    pb->row_capacity = pb->Br;
+    base_items = p.B * p.K * pb->tiles;
   }
-
-  // Split-KV when there are fewer work items than threads and the keys are long enough.
-  pb.splits = 1;
-  if (base_items < cpus) {
-    pb.splits = std::max<int64_t>(1, std::min(ceil_div(cpus, base_items), p.S / kMinSplitKeys));
-  }
-  pb.items = base_items * pb.splits;
-
+  pb->splits = SplitCount(base_items, p.S, cpus, kMinSplitKeys, std::numeric_limits<int64_t>::max());
+  pb->items = base_items * pb->splits;
   const double flops = 4.0 * p.B * p.N * p.T * p.S * p.H;
-  const int64_t threads = std::max<int64_t>(
-      1, std::min({cpus, pb.items, static_cast<int64_t>(flops / kFlopsPerThread) + 1}));
+  *workers = std::max<int64_t>(
+      1, std::min({cpus, pb->items, static_cast<int64_t>(flops / kFlopsPerThread) + 1}));
+}
 
-  const int64_t rows = p.B * p.T * p.N;
-  std::vector<float> partials;
+CpuPlan Describe(const Problem& pb, int64_t workers) {
+  CpuPlan plan;
+  plan.decode = pb.decode;
+  plan.Br = pb.decode ? 0 : pb.Br;
+  plan.Bc = pb.decode ? pb.decode_keys : kBc;
+  plan.Bb = pb.decode ? 0 : kBb;
+  plan.splits = pb.splits;
+  plan.items = pb.items;
+  plan.workers = workers;
+  plan.scratch_floats = Scratch::floats(pb);
+  return plan;
+}
+
+bool Empty(const AttentionParams& p) {
+  return p.B <= 0 || p.T <= 0 || p.N <= 0 || p.K <= 0 || p.H <= 0;
+}
+
+}  // namespace
+
+CpuPlan PlanCpu(const AttentionParams& p, int64_t workers) {
+  if (Empty(p)) return CpuPlan{};
+  Problem pb;
+  int64_t used;
+  plan(p, std::max<int64_t>(workers, 1), &pb, &used);
+  return Describe(pb, used);
+}
+
+CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers) {
+  static const Worker worker = best_worker();
+  if (Empty(params)) return CpuPlan{};
+  // All memory is allocated before any worker starts, so a failed allocation throws here and
+  // nothing can fail part-way.
+  auto sh = std::make_shared<Shared>();
+  sh->p = params;
+  plan(sh->p, std::max<int64_t>(workers.count, 1), &sh->pb, &sh->workers);
+  sh->pb.p = &sh->p;
+  const AttentionParams& p = sh->p;
+  Problem& pb = sh->pb;
   if (pb.splits > 1) {
-    partials.resize(pb.splits * rows * (p.H + 2));
-    pb.part_o = partials.data();
+    const int64_t rows = p.B * p.T * p.N;
+    sh->partials.resize(pb.splits * rows * (p.H + 2));
+    pb.part_o = sh->partials.data();
     pb.part_m = pb.part_o + pb.splits * rows * p.H;
     pb.part_l = pb.part_m + pb.splits * rows;
   }
+  sh->scratch_floats = Scratch::floats(pb);
+  const size_t bytes = sizeof(float) * static_cast<size_t>(sh->scratch_floats * sh->workers);
+  sh->scratch.reset(static_cast<float*>(::operator new(bytes, std::align_val_t{64})));
 
-  // All scratch is allocated before any thread starts, so a failed allocation throws here and
-  // nothing can fail part-way.
-  const int64_t per_thread = Scratch::floats(pb);
-  const size_t bytes = sizeof(float) * static_cast<size_t>(per_thread * threads);
-  std::unique_ptr<float, AlignedFree> scratch(
-      static_cast<float*>(::operator new(bytes, std::align_val_t{64})));
-
-  std::atomic<int64_t> next{0};
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);  // so that only a thread's creation can fail below
-  for (int64_t t = 1; t < threads; ++t) {
-    try {
-      pool.emplace_back(worker, std::cref(pb), scratch.get() + t * per_thread, std::ref(next));
-    } catch (const std::system_error&) {
-      break;  // fewer threads: the ones running (and this one) take all the items
-    }
+  for (int64_t t = 1; t < sh->workers; ++t) {
+    workers.run([sh] {
+      const int64_t slot = sh->slots.fetch_add(1);
+      if (slot < sh->workers) take_items(*sh, slot, worker);
+    });
   }
-  worker(pb, scratch.get(), next);
-  for (std::thread& thread : pool) thread.join();
+  take_items(*sh, 0, worker);
+  {
+    std::unique_lock<std::mutex> lock(sh->mu);
+    sh->all_done.wait(lock, [&] { return sh->finished.load() == pb.items; });
+  }
 
   if (pb.splits > 1) {
     switch (p.dtype) {
@@ -375,13 +414,7 @@ void run_attention(const AttentionParams& p, int num_threads, Worker worker) {
         break;
     }
   }
-}
-
-}  // namespace
-
-void attention_forward_cpu(const AttentionParams& params, int num_threads) {
-  static const Worker worker = best_worker();
-  run_attention(params, num_threads, worker);
+  return Describe(pb, sh->workers);
 }
 
 }  // namespace fastattn

@@ -7,6 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention_rules.h"
 
 namespace fastattn {
 
@@ -39,24 +45,48 @@ struct AttentionParams {
   const int32_t* q_lens = nullptr;   // (B,) valid query rows, or nullptr
   const int32_t* kv_lens = nullptr;  // (B,) valid key rows, or nullptr
 
-  float scale = 1.0f;     // multiplies q . k
-  float softcap = 0.0f;   // > 0: logits = softcap * tanh(logits / softcap),
-                          // applied to the scaled logits before the bias
-  bool causal = false;    // key j visible to query i only if j <= i
-  // Causal and window rules place query i at key position i + kv_len - q_len
-  // (bottom-right alignment) instead of i.
-  bool end_aligned = false;
-  int64_t window_left = -1;   // >= 0: key j visible only if j >= i - left
-  int64_t window_right = -1;  // >= 0: key j visible only if j <= i + right
+  // The logit transform and index rules (attention_rules.h).
+  FaRules rules = fa_make_rules(1.0f, 0.0f, 0, 0, -1, -1);
 };
+
+// The workers a call may use: `count` of them, the calling thread included,
+// and `run`, which hands a task to another one (a thread of the caller's pool,
+// XLA's in the FFI handler) or, where none is free, runs it in place. A task
+// may start late, even after the call returned: the kernel keeps what a late
+// task reads alive, and such a task finds no work left.
+struct CpuWorkers {
+  int64_t count = 1;
+  std::function<void(std::function<void()>)> run;
+};
+
+// How a call runs (FastAttention's two-level tiling of the rows; split-KV
+// after Flash-Decoding when its work items leave workers idle).
+struct CpuPlan {
+  bool decode = false;   // T * N / K <= kFewRows: items (b, split) span all heads, H in the lanes
+  int64_t Br = 0;        // packed query rows per item (0 on the decode path)
+  int64_t Bc = 0;        // keys per tile
+  int64_t Bb = 0;        // rows per level-2 slice (0 on the decode path)
+  int64_t splits = 1;    // split-KV factor
+  int64_t items = 0;     // work items
+  int64_t workers = 1;   // workers that take items (the calling thread included)
+  int64_t scratch_floats = 0;  // working memory per worker
+
+  // Every field above by name, for logs and Python.
+  std::vector<std::pair<std::string, int64_t>> Facts() const {
+    return {{"decode", decode}, {"Br", Br}, {"Bc", Bc}, {"Bb", Bb}, {"splits", splits},
+            {"items", items}, {"workers", workers}, {"scratch_floats", scratch_floats}};
+  }
+};
+
+CpuPlan PlanCpu(const AttentionParams& params, int64_t workers);
 
 // Computes out and lse. Query rows with no visible key (including rows at or
 // beyond q_lens[b]) get out = 0 and lse = -inf. A NaN or Inf in q, k or v
-// reaches only the rows that see it. Uses up to num_threads threads (0: all
-// CPUs this process may run on). Memory beyond inputs and outputs is
-// O((Br + Bc) * H) floats per thread (O(K * (T * N / K + 32) * H) on the
-// decode path, T * N / K <= 8), plus split-KV partials of
-// O(splits * T * N * H) floats when T is small and S long.
-void attention_forward_cpu(const AttentionParams& params, int num_threads = 0);
+// reaches only the rows that see it. Runs on `workers` as PlanCpu plans it and
+// returns that plan. Memory beyond inputs and outputs is O((Br + Bc) * H)
+// floats per worker (O(K * (T * N / K + 32) * H) on the decode path, T * N /
+// K <= 8), plus split-KV partials of O(splits * T * N * H) floats when T is
+// small and S long.
+CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers);
 
 }  // namespace fastattn
