@@ -101,8 +101,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   dims = shapes.check_qkv(q, k, v)
   bias = _broadcast_operand("bias", bias, dims)
   mask = _broadcast_operand("mask", mask, dims)
-  q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims)
-  kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims)
+  q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims.B)
+  kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims.B)
   config = AttentionConfig(
       scale=(1.0 / np.sqrt(dims.H) if scale is None
              else shapes.static_float("scale", scale)),
@@ -148,14 +148,19 @@ def _broadcast_operand(name, x, dims):
   return x
 
 
-def seq_lengths(name, lengths, dims):
+def seq_lengths(name, lengths, B: int):
+  """``lengths`` as a (B,) int32 array (None stays None).
+
+  Raises:
+    TypeError: not an integer dtype. ValueError: not of shape (B,).
+  """
   if lengths is None:
     return None
   lengths = jnp.asarray(lengths)
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B,), got {lengths.dtype}")
   lengths = lengths.astype(jnp.int32)
-  shapes.check_seq_lengths(name, lengths, dims)
+  shapes.check_seq_lengths(name, lengths, B)
   return lengths
 
 

@@ -26,7 +26,7 @@ from jax.experimental import io_callback
 from fastattn_jax import shapes
 from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import requested_implementation, run_config, seq_lengths
-from fastattn_jax.shapes import AttentionConfig, Dims
+from fastattn_jax.shapes import AttentionConfig
 
 
 def _check_cache(name, cache_k, cache_v):
@@ -75,8 +75,7 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
         f"write: k_new and v_new must be (B, T, K, H) = ({B}, T, {K}, {H}), got "
         f"{k_new.shape} and {v_new.shape}")
   T = k_new.shape[1]
-  # No query here: its N is not known, and only B is checked against.
-  lengths = seq_lengths("lengths", lengths, Dims(B=B, T=T, S=S_max, N=K, K=K, H=H))
+  lengths = seq_lengths("lengths", lengths, B)
   past_end = lengths + T > S_max
   if not isinstance(past_end, jax.core.Tracer):
     _raise_if_past_end(np.asarray(past_end), lengths, T, S_max)
@@ -138,7 +137,7 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   query = jnp.asarray(query)
   _check_cache("decode_attention", cache_k, cache_v)
   dims = shapes.check_qkv(query, cache_k, cache_v)
-  lengths = seq_lengths("lengths", lengths, dims)
+  lengths = seq_lengths("lengths", lengths, dims.B)
   config = AttentionConfig(
       scale=(1.0 / np.sqrt(dims.H) if scale is None else shapes.static_float("scale", scale)),
       is_causal=dims.T > 1,

@@ -134,14 +134,14 @@ def check_broadcast_operand(name: str, x, dims: Dims) -> None:
         f"bias must be float32, float16, bfloat16 or float64, got {x.dtype}")
 
 
-def check_seq_lengths(name: str, x, dims: Dims) -> None:
+def check_seq_lengths(name: str, x, B: int) -> None:
   """Checks a (B,) int32 array of sequence lengths.
 
   Raises:
     ValueError: on a shape other than (B,). TypeError: on a non-int32 dtype.
   """
-  if _shape(x) != (dims.B,):
-    raise ValueError(f"{name} must have shape (B,) = ({dims.B},), got {_shape(x)}")
+  if _shape(x) != (B,):
+    raise ValueError(f"{name} must have shape (B,) = ({B},), got {_shape(x)}")
   if np.dtype(x.dtype) != np.dtype(np.int32):
     raise TypeError(f"{name} must be int32, got {x.dtype}")
 
@@ -159,9 +159,9 @@ def check_operands(config: AttentionConfig, operands) -> Dims:
   if mask is not None:
     check_broadcast_operand("mask", mask, dims)
   if q_lens is not None:
-    check_seq_lengths("query_seq_lengths", q_lens, dims)
+    check_seq_lengths("query_seq_lengths", q_lens, dims.B)
   if kv_lens is not None:
-    check_seq_lengths("key_value_seq_lengths", kv_lens, dims)
+    check_seq_lengths("key_value_seq_lengths", kv_lens, dims.B)
   return dims
 
 

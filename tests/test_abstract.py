@@ -130,7 +130,7 @@ def test_check_broadcast_operand_accepts_all_16_shapes():
 ])
 def test_check_seq_lengths_raises(x, exc, pattern):
   with pytest.raises(exc, match=pattern):
-    shapes.check_seq_lengths("query_seq_lengths", x, DIMS)
+    shapes.check_seq_lengths("query_seq_lengths", x, DIMS.B)
 
 
 @pytest.mark.parametrize("window,expected", [
