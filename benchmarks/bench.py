@@ -59,6 +59,11 @@ from fastattn_jax import fast_attention, resolve_implementation
 from fastattn_jax._util import format_bytes, median_seconds
 
 SUBJECT = "fastattn"
+# Each competitor runs this long before it is timed: GPU clocks fall while a
+# case compiles, and short first loops would time them still rising (the
+# H100, decode B = 1, S = 4K, 50 calls in 3 ms: 60 us per call, against 36
+# us at S = 16K, timed after it).
+WARMUP_SECONDS = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,12 +209,14 @@ def time_compiled(compiled, args, time_budget_s: float, max_repeats: int,
 
   Each timed loop issues ``calls_per_loop`` calls and waits for the last (on
   GPUs, 20: the launches queue up, so host dispatch stays out of the time).
-  After a warm-up call, one loop is timed to judge the cost; then as many
+  After warming up for WARMUP_SECONDS (GPU clocks rise from idle while a
+  case compiles), one loop is timed to judge the cost; then as many
   loops as fit in ``time_budget_s`` are timed, at least 1 and at most
   ``max_repeats``.
   """
   call = lambda: compiled(*args)
-  loop_s = median_seconds(call, 1, calls=calls_per_loop) * calls_per_loop
+  loop_s = median_seconds(call, 1, calls=calls_per_loop,
+                          warmup_seconds=WARMUP_SECONDS) * calls_per_loop
   repeats = max(1, min(max_repeats, int(time_budget_s / loop_s)))
   return median_seconds(call, repeats, warmup=0, calls=calls_per_loop), repeats
 

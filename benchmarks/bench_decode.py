@@ -17,7 +17,8 @@ memory, as in a decoder where every layer has its own cache: one set small
 enough to stay in the L2 would time the cache instead. Bandwidth = bytes of K
 and V read (2 * B * S * K * H * itemsize) / time, reported against the
 device's copy bandwidth measured the same way (bytes read plus written by
-``x + 1`` over a 2 GiB array). The table's last column is fastattn's speed
+``x + 1`` over a 2 GiB array). Each loop is warmed up for WARMUP_SECONDS
+before it is timed. The table's last column is fastattn's speed
 over the fastest competitor's at each shape (the faster of xla and cuDNN on
 GPUs).
 
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from benchmarks.bench import SUBJECT, int_list
+from benchmarks.bench import SUBJECT, WARMUP_SECONDS, int_list
 from fastattn_jax._util import median_seconds
 from fastattn_jax.decode import decode_attention
 
@@ -118,7 +119,8 @@ def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) -> di
   for name, attention in comps.items():
     try:
       loop = _loop(attention, calls)
-      seconds = median_seconds(lambda: loop(q, ks, vs, lengths), repeats) / calls
+      seconds = median_seconds(lambda: loop(q, ks, vs, lengths), repeats,
+                               warmup_seconds=WARMUP_SECONDS) / calls
       row[name] = {"us": seconds * 1e6, "GB/s": kv_bytes / seconds / 1e9}
     except Exception as err:  # a competitor that cannot run this shape
       row[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}

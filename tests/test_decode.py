@@ -145,6 +145,29 @@ def test_split_kv_calls_in_a_row():
            got=other)
 
 
+def test_split_kv_long_ragged_caches():
+  """Long caches of very different lengths: on CUDA the decode kernel's lean
+  partition deals the heads' key steps out in equal shares, so a block's
+  share crosses heads and sequences. Three calls from one site in a jitted
+  loop, with the partition redrawn by each call's lengths; run twice, so the
+  split counters must be back at zero after every launch."""
+  rng = np.random.default_rng(21)
+  B, S_max, N, K, H = 2, 90000, 8, 2, 64
+  k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
+  qs = jnp.asarray(rng.standard_normal((3, B, 1, N, H)), jnp.bfloat16)
+  lengths = jnp.asarray([[90000, 85001], [90000, 100], [77777, 90000]], jnp.int32)
+  assert _h100_launch(B, 1, S_max, N, K, H, blocks_per_sm=1)["slots"] > 0
+
+  @jax.jit
+  def run(qs, lengths):
+    return [decode_attention(qs[i], k, v, lengths[i], implementation=tu.IMPL,
+                             return_residual=True) for i in range(3)]
+
+  for _ in range(2):
+    for i, got in enumerate(run(qs, lengths)):
+      _check(qs[i], k, v, lengths[i], "bfloat16", got=got)
+
+
 @pytest.mark.parametrize("T,N,K,H,opts", [
     (1, 32, 8, 128, {}),                               # Llama-3 shapes: 4 rows
     (1, 8, 1, 40, {}),                                 # 8 rows, H not a multiple of 32
