@@ -181,8 +181,13 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // wave of equal shares does not finish sooner. Measured on one H100,
     // 132-block waves against 128 blocks of whole-head shares: B = 8, S = 64K
     // 753 / 749 us against 740 / 733; B = 1, S = 256K 391 / 386 against
-    // 383 / 381. With ragged lengths the shares stay equal in keys, so long
-    // sequences get more blocks than short ones.
+    // 383 / 381. A dynamic tail was slower still (on an H200, against these
+    // static shares): 132 blocks each walking its own chunk of 16 quanta,
+    // then claiming one-quantum chunks from a counter, two per block: B = 8,
+    // S = 256K 2049 against 2040 us, B = 1, S = 64K 119 against 85 us (tail
+    // chunks of a few steps, each paying a pipeline fill and a merge). With
+    // ragged lengths the shares stay equal in keys, so long sequences get
+    // more blocks than short ones.
     l.units = B * K;
     const int64_t unit_steps = std::max<int64_t>(1, CeilDiv(S, l.tile.block_n));
     const int64_t steps = l.units * unit_steps;
