@@ -145,6 +145,7 @@ def test_split_kv_calls_in_a_row():
            got=other)
 
 
+@pytest.mark.slow
 def test_split_kv_long_ragged_caches():
   """Long caches of very different lengths: on CUDA the decode kernel's lean
   partition deals the heads' key steps out in equal shares, so a block's
