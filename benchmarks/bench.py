@@ -209,10 +209,9 @@ def time_compiled(compiled, args, time_budget_s: float, max_repeats: int,
 
   Each timed loop issues ``calls_per_loop`` calls and waits for the last (on
   GPUs, 20: the launches queue up, so host dispatch stays out of the time).
-  After warming up for WARMUP_SECONDS (GPU clocks rise from idle while a
-  case compiles), one loop is timed to judge the cost; then as many
-  loops as fit in ``time_budget_s`` are timed, at least 1 and at most
-  ``max_repeats``.
+  After warming up for WARMUP_SECONDS, one loop is timed to judge the cost;
+  then as many loops as fit in ``time_budget_s`` are timed, at least 1 and at
+  most ``max_repeats``.
   """
   call = lambda: compiled(*args)
   loop_s = median_seconds(call, 1, calls=calls_per_loop,

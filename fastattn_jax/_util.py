@@ -23,8 +23,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
   ``warmup_seconds`` have passed since the first of them (a GPU left idle
   while a program compiles raises its clocks over tens of milliseconds of
   work: a benchmark's first short loops would time the slower clocks), then
-  takes
-  ``repeats`` samples, each of ``calls`` calls in a row that waits
+  takes ``repeats`` samples, each of ``calls`` calls in a row that waits
   (``jax.block_until_ready``) for the last one's result: with several calls
   the dispatch of one overlaps the device work of the one before, as in a
   program. Returns the median sample divided by ``calls``, in seconds.

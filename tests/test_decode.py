@@ -149,9 +149,10 @@ def test_split_kv_calls_in_a_row():
 def test_split_kv_long_ragged_caches():
   """Long caches of very different lengths: on CUDA the decode kernel's lean
   partition deals the heads' key steps out in equal shares, so a block's
-  share crosses heads and sequences. Three calls from one site in a jitted
-  loop, with the partition redrawn by each call's lengths; run twice, so the
-  split counters must be back at zero after every launch."""
+  share crosses heads and sequences. Three calls (three call sites) in one
+  jitted program, each with its own lengths and so its own partition; the
+  program runs twice, so each site's split counters must be back at zero
+  after its launch."""
   rng = np.random.default_rng(21)
   B, S_max, N, K, H = 2, 90000, 8, 2, 64
   k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
