@@ -3,7 +3,8 @@
 * Four host CPU devices (``--xla_force_host_platform_device_count=4``) so the
   sharding tests can build a (2, 2) mesh; the flag must be in ``XLA_FLAGS``
   before jax initialises its backends, hence here, before anything imports
-  jax. Likewise, under pytest-xdist, no preallocation of GPU memory.
+  jax. Likewise, no preallocation of GPU memory.
+* On a GPU, the kernel cache is filled for its arch before the tests start.
 * The path under test: ``FASTATTN_TEST_IMPLEMENTATION`` (unset: ``None``, the
   library's choice for the platform) so that the same suite can later run on
   a GPU, e.g. ``JAX_PLATFORMS=cuda FASTATTN_TEST_IMPLEMENTATION=... pytest``.
@@ -17,13 +18,15 @@ installed (``make test`` does both).
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=4"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-# Several pytest-xdist workers share a GPU: each takes device memory as it
-# needs it instead of JAX's default 75% at start, which only the first gets.
-if "PYTEST_XDIST_WORKER" in os.environ:
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# No autotuning of XLA's GPU matmul fusions: it picks among equally exact
+# configurations, for speed, and took 19 of a float32 test's 22 s on an H100.
+for _flag in ("--xla_force_host_platform_device_count=4", "--xla_gpu_autotune_level=0"):
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# Several processes share a GPU (pytest-xdist's workers, and the controller,
+# which fills the kernel cache): each takes device memory as it needs it
+# instead of JAX's default 75% at start, which only the first would get.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import numpy as np  # noqa: E402
@@ -41,6 +44,19 @@ def pytest_configure(config):
   # Also declared in pyproject.toml; repeated so the suite runs from anywhere.
   config.addinivalue_line("markers", "slow: long-running (large shapes)")
   config.addinivalue_line("markers", "gpu: needs a GPU (skipped without one)")
+
+
+def pytest_sessionstart(session):
+  """On a GPU, fill the kernel cache for its arch in parallel before any test
+  runs (``python -m fastattn_jax.precompile``; seconds once cached), rather
+  than each worker compiling the variants it meets one at a time. Runs in the
+  controller only: pytest-xdist starts its workers after this hook."""
+  if "PYTEST_XDIST_WORKER" in os.environ or not tu.has_gpu():
+    return
+  from fastattn_jax import cuda, precompile
+  arch = f"sm_{cuda.compute_capability()}"
+  if precompile.main(["--arch", arch]) != 0:
+    pytest.exit(f"precompile for {arch} failed (above)", returncode=1)
 
 
 def pytest_collection_modifyitems(config, items):

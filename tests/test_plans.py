@@ -90,7 +90,13 @@ def _check_cpu_plan(B, T, S, N, K, H):
 def test_cpu_prefill_and_decode_run_what_the_planner_planned(rng):
   """The CPU handler runs the kernel on XLA's thread pool with the plan
   ``_ffi.cpu_plan`` gives for its shapes and the pool's size: a prefill in
-  row tiles, and a decode step split over the keys of one sequence."""
+  row tiles, and a decode step split over the keys of one sequence. On a
+  GPU machine the arrays are placed on the CPU, as a user of ``"cpu"`` must."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    _run_cpu_prefill_and_decode(rng)
+
+
+def _run_cpu_prefill_and_decode(rng):
   q, k, v = tu.qkv(rng, 2, 300, 500, 4, 2, 40)
   jax.block_until_ready(jax.jit(
       lambda q, k, v: fast_attention(q, k, v, is_causal=True, implementation="cpu"))(q, k, v))
