@@ -19,10 +19,11 @@ def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
                    calls: int = 1, warmup_seconds: float = 0.0) -> float:
   """Median wall-clock seconds of one call of ``fn``, device work included.
 
-  Runs ``fn`` ``warmup`` times (compiles, fills caches), and on until
-  ``warmup_seconds`` have passed since the first of them (a GPU left idle
-  while a program compiles raises its clocks over tens of milliseconds of
-  work: a benchmark's first short loops would time the slower clocks), then
+  Runs ``fn`` ``warmup`` times (compiles, fills caches), then on for
+  ``warmup_seconds`` more (a GPU left idle while a program compiles raises
+  its clocks over tens of milliseconds of work: a benchmark's first short
+  loops would time the slower clocks; the clock starts after the compiling
+  call, which would otherwise use the time up), then
   takes ``repeats`` samples, each of ``calls`` calls in a row that waits
   (``jax.block_until_ready``) for the last one's result: with several calls
   the dispatch of one overlaps the device work of the one before, as in a
@@ -34,9 +35,9 @@ def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
   if repeats < 1 or calls < 1 or warmup < 0:
     raise ValueError(f"median_seconds: repeats={repeats} and calls={calls} must be >= 1, "
                      f"warmup={warmup} >= 0")
-  start = time.perf_counter()
   for _ in range(warmup):
     jax.block_until_ready(fn())
+  start = time.perf_counter()
   while time.perf_counter() - start < warmup_seconds:
     jax.block_until_ready(fn())
   samples = []

@@ -93,20 +93,16 @@ def test_cpu_prefill_and_decode_run_what_the_planner_planned(rng):
   row tiles, and a decode step split over the keys of one sequence. On a
   GPU machine the arrays are placed on the CPU, as a user of ``"cpu"`` must."""
   with jax.default_device(jax.devices("cpu")[0]):
-    _run_cpu_prefill_and_decode(rng)
+    q, k, v = tu.qkv(rng, 2, 300, 500, 4, 2, 40)
+    jax.block_until_ready(jax.jit(
+        lambda q, k, v: fast_attention(q, k, v, is_causal=True, implementation="cpu"))(q, k, v))
+    record = _check_cpu_plan(2, 300, 500, 4, 2, 40)
+    assert not record["decode"] and record["Br"] > 0 and record["workers"] >= 1
 
-
-def _run_cpu_prefill_and_decode(rng):
-  q, k, v = tu.qkv(rng, 2, 300, 500, 4, 2, 40)
-  jax.block_until_ready(jax.jit(
-      lambda q, k, v: fast_attention(q, k, v, is_causal=True, implementation="cpu"))(q, k, v))
-  record = _check_cpu_plan(2, 300, 500, 4, 2, 40)
-  assert not record["decode"] and record["Br"] > 0 and record["workers"] >= 1
-
-  q, k, v = tu.qkv(rng, 1, 1, 20000, 8, 2, 64, jnp.bfloat16)
-  lengths = jnp.asarray([19000], jnp.int32)
-  jax.block_until_ready(jax.jit(
-      lambda q, k, v: decode_attention(q, k, v, lengths, implementation="cpu"))(q, k, v))
-  record = _check_cpu_plan(1, 1, 20000, 8, 2, 64)
-  assert record["decode"] and record["items"] == record["splits"]
-  assert record["splits"] == min(record["pool_threads"], 20000 // 1024)
+    q, k, v = tu.qkv(rng, 1, 1, 20000, 8, 2, 64, jnp.bfloat16)
+    lengths = jnp.asarray([19000], jnp.int32)
+    jax.block_until_ready(jax.jit(
+        lambda q, k, v: decode_attention(q, k, v, lengths, implementation="cpu"))(q, k, v))
+    record = _check_cpu_plan(1, 1, 20000, 8, 2, 64)
+    assert record["decode"] and record["items"] == record["splits"]
+    assert record["splits"] == min(record["pool_threads"], 20000 // 1024)
