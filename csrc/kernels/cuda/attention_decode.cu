@@ -63,7 +63,20 @@ constexpr int kKeysPerIter = kTile.block_n;
 constexpr int kSmemBytes = kTile.smem_bytes;
 #if FA_KERNEL_SM >= 80
 constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16 step of P V)
-constexpr int kRowChunks = kChunks + 1;       // padded shared-memory row: see attention_mma16.cu
+// A key's row in a ring stage (attention_tiles.cuh). Either layout puts the
+// 8 rows of an ldmatrix in 8 distinct bank groups, but padding (rows an odd
+// number of chunks apart) also puts most rows across two 128-byte lines of
+// shared memory, and a cp.async whose lanes of one 32-byte global sector
+// write to two lines reads that sector from the L2 twice. Where rows are
+// whole lines, chunk c of key j sits at chunk c ^ (j % 8) of its row
+// instead. Measured on one H100 (B = 8, H = 128, bf16): padded, the L2 served
+// 1.5 times the bytes of K and V (ncu, S = 64K) and the L2 was the limit
+// (DRAM at 88.7% of peak, 723 us); swizzled, DRAM at 91.8%, 699 us; in the
+// decode benchmark at S = 256K, 2903 us against 2796 us (cuDNN: 2803, 2813).
+// The L2::256B prefetch hint that helped the padded rows (2951 -> 2891 us)
+// does nothing for these: 2815 / 2799 us with it, 2802 / 2797 without.
+constexpr int kRowChunks = fa_decode_row_chunks(kH);
+constexpr bool kSwizzled = kRowChunks == kChunks;
 constexpr int kTileBytes = fa_decode_tile_bytes(kH);  // of K, and again of V
 constexpr int kStages = kFaDecodeStages;
 #else
@@ -130,13 +143,9 @@ struct DecodeBlock {
 };
 
 #if FA_KERNEL_SM >= 80
-// fa_cp_async16 that also has L2 fetch the whole 256-byte block around src
-// (a key row at H = 128; the neighbouring rows belong to the blocks of the
-// other key/value heads, which run alongside): B = 8, S = 256K went from
-// 2984 to 2921 us (again on another H100, later: 2951 to 2891).
-__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
+// Byte offset of chunk c of key j's row in a ring stage.
+__device__ __forceinline__ unsigned ring_at(int j, int c) {
+  return (j * kRowChunks + (kSwizzled ? c ^ (j % 8) : c)) * 16;
 }
 
 // Walks the block's keys on tensor cores (see the top of the file) and leaves
@@ -178,9 +187,9 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
         const int at = lane + 32 * i, key = at / kChunks, c = at % kChunks;
         const bool valid = key0 + key < d.k1 && c < h_chunks;
         const long long src = valid ? (key0 + key) * d.key_stride + c * 8 : 0;
-        const unsigned dst = stage + (key * kRowChunks + c) * 16;
-        cp_async16_l2(dst, d.k_head + src, valid);
-        cp_async16_l2(dst + kTileBytes, d.v_head + src, valid);
+        const unsigned dst = stage + ring_at(key, c);
+        fa_cp_async16(dst, d.k_head + src, valid);
+        fa_cp_async16(dst + kTileBytes, d.v_head + src, valid);
       }
     }
     fa_cp_async_commit();
@@ -190,11 +199,11 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 
   // Per-lane ldmatrix rows. K (B of Q K^T, 16 keys x 16 h per x4): matrices
   // (keys 0-7 | 8-15) x (chunk 2 kk | 2 kk + 1), giving b0, b1 of key block 0
-  // then of block 1. V (B of P V, transposed, 16 keys x 16 columns per x4):
-  // matrices (chunk 2 j | 2 j + 1) x (keys 0-7 | 8-15), giving b0, b1 of
-  // column block 2 j then 2 j + 1.
-  const unsigned k_lane = (((lane / 16) * 8 + lane % 8) * kRowChunks + (lane / 8) % 2) * 16;
-  const unsigned v_lane = ((((lane / 8) % 2) * 8 + lane % 8) * kRowChunks + lane / 16) * 16;
+  // then of block 1: this lane's key k_key, chunk 2 kk + k_half. V (B of P V,
+  // transposed, 16 keys x 16 columns per x4): matrices (chunk 2 j | 2 j + 1)
+  // x (keys 0-7 | 8-15), giving b0, b1 of column block 2 j then 2 j + 1.
+  const int k_key = (lane / 16) * 8 + lane % 8, k_half = (lane / 8) % 2;
+  const int v_key = ((lane / 8) % 2) * 8 + lane % 8, v_half = lane / 16;
 
   float o[kH / 8][4] = {};  // row g in [0..1]; [2..3] are the zero rows 8..15
   float m = FA_NEG_INF, l = 0.f;  // l: this lane's share of the row sum
@@ -207,7 +216,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 #pragma unroll
     for (int kk = 0; kk < kH / 16; ++kk) {
       unsigned b[4];
-      fa_ldsm_x4(kt + k_lane + kk * 32, b);
+      fa_ldsm_x4(kt + ring_at(k_key, 2 * kk + k_half), b);
       const unsigned a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
       fa_mma16(s[0], a, b[0], b[1]);
       fa_mma16(s[1], a, b[2], b[3]);
@@ -241,7 +250,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 #pragma unroll
     for (int j = 0; j < kH / 16; ++j) {
       unsigned b[4];
-      fa_ldsm_x4_t(vt + v_lane + j * 32, b);
+      fa_ldsm_x4_t(vt + ring_at(v_key, 2 * j + v_half), b);
       fa_mma16(o[2 * j], a, b[0], b[1]);
       fa_mma16(o[2 * j + 1], a, b[2], b[3]);
     }
@@ -418,7 +427,9 @@ extern "C" __constant__ int fa_params_bytes = sizeof(FaDecodeParams);
 #endif
 
 extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
-  extern __shared__ Chunk smem[];
+  // Lines of the rings on 128-byte lines of shared memory (past the static
+  // arrays), as ring_at's layout assumes.
+  extern __shared__ __align__(128) Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
 

@@ -118,7 +118,13 @@ constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
 // kFaDecodeStages stages, as many warps (up to 8) as shared memory allows.
 constexpr int kFaDecodeTileKeys = 16;
 constexpr int kFaDecodeStages = 2;
-FA_TILE_FN int fa_decode_tile_bytes(int h) { return kFaDecodeTileKeys * (h / 8 + 1) * 16; }
+// A key's row in a ring stage, in 16-byte chunks: the h / 8 of its values
+// where they fill whole 128-byte lines (h = 64, 128, 192, 256; the chunks
+// XOR-swizzled by the key, attention_decode.cu), else one chunk of padding.
+FA_TILE_FN int fa_decode_row_chunks(int h) { return h / 8 % 8 == 0 ? h / 8 : h / 8 + 1; }
+FA_TILE_FN int fa_decode_tile_bytes(int h) {
+  return kFaDecodeTileKeys * fa_decode_row_chunks(h) * 16;
+}
 FA_TILE_FN int fa_decode_ring_bytes(int warps, int h) {
   return warps * kFaDecodeStages * 2 * fa_decode_tile_bytes(h);
 }
