@@ -427,8 +427,8 @@ extern "C" __constant__ int fa_params_bytes = sizeof(FaDecodeParams);
 #endif
 
 extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
-  // Lines of the rings on 128-byte lines of shared memory (past the static
-  // arrays), as ring_at's layout assumes.
+  // The rings start on a 128-byte line of shared memory (the static arrays
+  // come first and would shift them), as ring_at's layout assumes.
   extern __shared__ __align__(128) Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];

@@ -12,7 +12,11 @@
 // Shared memory rows are padded by 16 bytes: a row of H 16-bit values is then
 // an odd number of 16-byte chunks apart from the next, so the 8 row addresses
 // of an ldmatrix hit 8 distinct bank groups for every H that is a multiple
-// of 16, where an XOR swizzle would need H / 8 to be a power of two.
+// of 16. An XOR swizzle (chunk c of row j at c ^ (j % 8)) would do the same
+// without padding where H is a multiple of 64; the decode kernel switched to
+// it because padded rows straddle 128-byte lines and made the L2 serve its
+// cp.async sectors 1.5 times (attention_decode.cu, above kRowChunks). Not
+// measured here.
 #include "attention_m16n8.cuh"
 
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
