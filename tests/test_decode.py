@@ -109,6 +109,20 @@ def test_long_cache_split_kv():
   _check(q, k, v, lengths, "bfloat16")
 
 
+def _calls_in_a_loop(qs, lengths, k, v):
+  """decode_attention(qs[i], k, v, lengths[i]) for each i, from one call site
+  in a fori_loop: the outputs and LSEs stacked."""
+  calls, B, T, N, _ = qs.shape
+
+  def body(i, acc):
+    out, lse = decode_attention(qs[i], k, v, lengths[i], implementation=tu.IMPL,
+                                return_residual=True)
+    return acc[0].at[i].set(out), acc[1].at[i].set(lse)
+
+  acc = (jnp.zeros_like(qs), jnp.zeros((calls, B, T, N), jnp.float32))
+  return jax.lax.fori_loop(0, calls, body, acc)
+
+
 def test_split_kv_calls_in_a_row():
   """Split-KV calls again and again: five from one call site in a jitted loop,
   each with its own queries and lengths, a second site in the same program,
@@ -126,13 +140,7 @@ def test_split_kv_calls_in_a_row():
 
   @jax.jit
   def run(qs, lengths):
-    def body(i, acc):
-      out, lse = decode_attention(qs[i], k, v, lengths[i], implementation=tu.IMPL,
-                                  return_residual=True)
-      return acc[0].at[i].set(out), acc[1].at[i].set(lse)
-
-    acc = (jnp.zeros_like(qs), jnp.zeros((calls, B, 1, N), jnp.float32))
-    outs, lses = jax.lax.fori_loop(0, calls, body, acc)
+    outs, lses = _calls_in_a_loop(qs, lengths, k, v)
     other = decode_attention(qs[0], k[:, :3000], v[:, :3000], jnp.minimum(lengths[1], 3000),
                              implementation=tu.IMPL, return_residual=True)
     return outs, lses, other
@@ -143,6 +151,30 @@ def test_split_kv_calls_in_a_row():
       _check(qs[i], k, v, lengths[i], "bfloat16", got=(outs[i], lses[i]))
     _check(qs[0], k[:, :3000], v[:, :3000], jnp.minimum(lengths[1], 3000), "bfloat16",
            got=other)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_split_kv_in_clusters(T):
+  """On sm_90 the plan runs each head's 8 segments as one thread block
+  cluster, merged in shared memory, when every sequence has the same number
+  of key steps; with other lengths the shares cross heads and the same
+  launch merges through the workspace. Both kinds of call from one site in a
+  jitted loop, so the split counters, which only the second kind touches,
+  must stay right: equal lengths (full, partial, one just short of full),
+  ragged lengths, and too few steps for one per block."""
+  rng = np.random.default_rng(tu.seed_of(f"cluster{T}"))
+  B, S_max, N, K, H = 2, 3000, 32, 8, 128
+  assert _h100_launch(B, T, S_max, N, K, H, blocks_per_sm=1)["cluster"] == 8
+  k, v = _cache(rng, B, S_max, K, H, jnp.bfloat16)
+  lengths = jnp.asarray([[3000, 3000], [2999, 17], [1900, 1900], [3000, 2999], [500, 500]],
+                        jnp.int32)
+  calls = lengths.shape[0]
+  qs = jnp.asarray(rng.standard_normal((calls, B, T, N, H)), jnp.bfloat16)
+  run = jax.jit(functools.partial(_calls_in_a_loop, k=k, v=v))
+  for _ in range(2):
+    outs, lses = run(qs, lengths=lengths)
+    for i in range(calls):
+      _check(qs[i], k, v, lengths[i], "bfloat16", got=(outs[i], lses[i]))
 
 
 @pytest.mark.slow
@@ -214,13 +246,14 @@ def test_decode_never_reads_past_the_lengths():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, **features):
+def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, arch=900, **features):
   """The owner's plan (csrc/cuda/variants.h) for a call on the sm80 kernels of
-  an H100 (arch 900, 132 multiprocessors): no GPU needed."""
+  an H100 (arch 900, 132 multiprocessors), or of `arch` with as many
+  multiprocessors: no GPU needed."""
   plan = cuda.plan("cuda_sm80", AttentionConfig(scale=0.1), (B, T, N, H), (B, S, K, H), dtype,
                    **features)
   return dict(_ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(
-      plan, (B, T, N, H), (B, S, K, H)), 900, 132, blocks_per_sm), decode=plan["decode_rows"])
+      plan, (B, T, N, H), (B, S, K, H)), arch, 132, blocks_per_sm), decode=plan["decode_rows"])
 
 
 def test_decode_kernel_rules():
@@ -228,20 +261,29 @@ def test_decode_kernel_rules():
   key/value head, no bias, mask or query lengths), and its partition: the
   heads' key steps dealt out evenly to a whole number of blocks per head,
   as many as pay for their fixed cost, a workspace slot per (block, head)
-  segment."""
+  segment; on sm_90, up to 16 blocks per head become 8 in a cluster."""
   assert _h100_launch(1, 1, 4096, 32, 8, 128)["decode"] == 4
   assert _h100_launch(4, 2, 100, 8, 2, 64)["decode"] == 8
   assert not _h100_launch(4, 3, 100, 8, 2, 64)["decode"]  # 12 rows: the forward kernels
   assert not _h100_launch(1, 1, 4096, 32, 8, 128, bias=True)["decode"]
   assert not _h100_launch(1, 1, 0, 32, 8, 128)["decode"]
-  # One sequence, 8 heads: 16 blocks each, one wave of 128 on 132 multiprocessors.
+  # One sequence, 8 heads: 16 blocks each, one wave of 128 on 132
+  # multiprocessors; on sm_90, 8 each in clusters of 8.
   for S in (4096, 1 << 18):
-    plan = _h100_launch(1, 1, S, 32, 8, 128, blocks_per_sm=1)
-    assert plan["blocks"] == 128 and plan["units"] == 8
-    assert plan["slots"] == 128 + 8 - 1 and plan["counters"] == 8
-    assert plan["workspace_floats"] == plan["slots"] * 4 * (128 + 1)
-  # Eight sequences: two blocks per head.
-  assert _h100_launch(8, 1, 1 << 16, 32, 8, 128, blocks_per_sm=1)["blocks"] == 128
+    for arch, per_head, cluster in ((800, 16, 1), (900, 8, 8)):
+      plan = _h100_launch(1, 1, S, 32, 8, 128, blocks_per_sm=1, arch=arch)
+      assert plan["units"] == 8 and plan["blocks"] == 8 * per_head
+      assert plan["cluster"] == cluster
+      # The workspace stays for ragged lengths (the shares then cross heads).
+      assert plan["slots"] == 8 * per_head + 8 - 1 and plan["counters"] == 8
+      assert plan["workspace_floats"] == plan["slots"] * 4 * (128 + 1)
+  # Eight sequences: two blocks per head (in pairs on sm_90).
+  for arch, cluster in ((800, 1), (900, 2)):
+    plan = _h100_launch(8, 1, 1 << 16, 32, 8, 128, blocks_per_sm=1, arch=arch)
+    assert plan["blocks"] == 128 and plan["cluster"] == cluster
+  # One head: more blocks than a cluster holds.
+  plan = _h100_launch(1, 1, 1 << 16, 8, 1, 128, blocks_per_sm=1)
+  assert plan["blocks"] == 128 and plan["cluster"] == 1
   # Few keys: one block per key step.
   short = _h100_launch(1, 1, 300, 8, 8, 128, blocks_per_sm=1)
   assert short["blocks"] == 8 * -(-300 // short["block_n"])

@@ -38,7 +38,7 @@ def _check_cuda_launch(q_shape, k_shape, dtype, config, hlo, **features):
   assert record["decode_rows"] == plan["decode_rows"]
   launched = cuda.launch(plan, q_shape, k_shape, blocks_per_sm=record["blocks_per_sm"])
   for fact in ("block_m", "block_n", "threads", "smem_bytes", "units", "blocks", "parts",
-               "slots", "workspace_floats", "counters"):
+               "slots", "workspace_floats", "counters", "cluster"):
     assert record[fact] == launched[fact], (fact, record, launched)
   bound = cuda.launch(plan, q_shape, k_shape)
   assert _workspace_floats(hlo) == bound["workspace_floats"] >= record["workspace_floats"]

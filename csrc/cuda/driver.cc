@@ -47,6 +47,7 @@ const Driver* GetDriver(std::string* error) {
               Load(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
                    &d.cuOccupancyMaxActiveBlocksPerMultiprocessor);
     Load(lib, "cuTensorMapEncodeTiled", &d.cuTensorMapEncodeTiled);
+    Load(lib, "cuLaunchKernelEx", &d.cuLaunchKernelEx);
     if (!ok) {
       load_error = "libcuda.so.1 lacks a driver API call fastattn_jax needs: update the driver";
       return;
@@ -66,6 +67,24 @@ std::string DriverError(const Driver& d, CUresult rc, const char* what) {
   d.cuGetErrorString(rc, &msg);
   return std::string(what) + " failed with CUDA error " + std::to_string(rc) + ": " +
          (msg ? msg : "unknown");
+}
+
+std::string Launch(const Driver& d, CUfunction function, unsigned blocks, unsigned threads,
+                   unsigned smem_bytes, unsigned cluster, CUstream stream, void** args,
+                   const char* what) {
+  if (cluster <= 1) {
+    return DriverError(d, d.cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, smem_bytes,
+                                           stream, args, nullptr),
+                       what);
+  }
+  constexpr CUresult kNotSupported = 801;  // CUDA_ERROR_NOT_SUPPORTED
+  if (!d.cuLaunchKernelEx) return DriverError(d, kNotSupported, what);
+  LaunchAttribute attr{};
+  attr.id = kLaunchAttrClusterDimension;
+  attr.value.cluster_dim[0] = cluster;
+  attr.value.cluster_dim[1] = attr.value.cluster_dim[2] = 1;
+  const LaunchConfig config{{blocks, 1, 1}, {threads, 1, 1}, smem_bytes, stream, &attr, 1};
+  return DriverError(d, d.cuLaunchKernelEx(&config, function, args, nullptr), what);
 }
 
 }  // namespace fastattn::cuda

@@ -23,6 +23,24 @@ constexpr int kAttrComputeCapabilityMinor = 76;
 constexpr int kAttrMaxSharedMemoryPerBlockOptin = 97;
 constexpr int kFuncAttrMaxDynamicSharedSizeBytes = 8;
 
+// cuLaunchKernelEx's configuration (cuda.h's CUlaunchConfig and
+// CUlaunchAttribute, CUDA 12), with the one attribute used: the cluster shape.
+constexpr int kLaunchAttrClusterDimension = 4;
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    unsigned cluster_dim[3];
+    char bytes[64];
+  } value;
+};
+struct LaunchConfig {
+  unsigned grid[3], block[3], smem_bytes;
+  CUstream stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+
 struct Driver {
   CUresult (*cuInit)(unsigned);
   CUresult (*cuGetErrorString)(CUresult, const char**);
@@ -49,6 +67,8 @@ struct Driver {
   CUresult (*cuTensorMapEncodeTiled)(void*, int, unsigned, void*, const unsigned long long*,
                                      const unsigned long long*, const unsigned*,
                                      const unsigned*, int, int, int, int);
+  // CUDA 12 drivers and newer; null on older ones (no cluster launches).
+  CUresult (*cuLaunchKernelEx)(const LaunchConfig*, CUfunction, void**, void**);
 };
 
 // Enum values of cuTensorMapEncodeTiled's arguments (cuda.h).
@@ -60,6 +80,13 @@ constexpr int kTensorMapOobFillZeros = 0;
 
 // The loaded driver, or nullptr with *error set (no libcuda, or cuInit failed).
 const Driver* GetDriver(std::string* error);
+
+// Launches `function` on `blocks` blocks of `threads`, in clusters of
+// `cluster` blocks when above 1 (cuLaunchKernelEx; CUDA_ERROR_NOT_SUPPORTED
+// from drivers without it). `what` names the launch in the error.
+std::string Launch(const Driver& d, CUfunction function, unsigned blocks, unsigned threads,
+                   unsigned smem_bytes, unsigned cluster, CUstream stream, void** args,
+                   const char* what);
 
 // "cuFoo failed: CUDA_ERROR_... (message)" for a failed call, "" for success.
 std::string DriverError(const Driver& d, CUresult rc, const char* what);

@@ -83,6 +83,8 @@ struct LaunchPlan {
   int64_t counters = 0;   // the decode kernel's split counters (units, when
                           // split); the forward kernels merge in a second
                           // launch (fa_merge) of `units` blocks instead
+  int cluster = 1;        // blocks per thread block cluster (decode on sm_90:
+                          // a unit's segments, merged in shared memory)
 
   // Every field above by name (the tile's four first), for logs and Python.
   std::vector<std::pair<std::string, int64_t>> Facts() const;

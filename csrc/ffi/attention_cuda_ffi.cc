@@ -368,18 +368,14 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
     args[0] = &p;
     args[1] = &maps;  // kernel 90 takes both, the others p only
   }
-  if (auto rc = driver->cuLaunchKernel(kn.function, static_cast<unsigned>(c->plan.blocks), 1, 1,
-                                       kn.tile.threads, 1, 1, kn.tile.smem_bytes, stream, args,
-                                       nullptr)) {
-    return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuLaunchKernel(fa_forward)"));
+  std::string error =
+      cu::Launch(*driver, kn.function, static_cast<unsigned>(c->plan.blocks), kn.tile.threads,
+                 kn.tile.smem_bytes, c->plan.cluster, stream, args, "launching fa_forward");
+  if (error.empty() && kn.merge && c->plan.slots > 0) {
+    error = cu::Launch(*driver, kn.merge, static_cast<unsigned>(c->plan.units), kFaMergeThreads,
+                       0, 1, stream, args, "launching fa_merge");
   }
-  if (kn.merge && c->plan.slots > 0) {
-    if (auto rc = driver->cuLaunchKernel(kn.merge, static_cast<unsigned>(c->plan.units), 1, 1,
-                                         kFaMergeThreads, 1, 1, 0, stream, args, nullptr)) {
-      return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuLaunchKernel(fa_merge)"));
-    }
-  }
-  return ffi::Error::Success();
+  return error.empty() ? ffi::Error::Success() : ffi::Error::Internal(error);
 }
 
 }  // namespace

@@ -36,6 +36,12 @@
 // merged by their maxima through shared memory. A segment that is its unit's
 // whole walk writes out and lse; the others write their partial state, and
 // the last of a unit's segments to finish merges them (attention_split.cuh).
+// On sm_90 the host launches a unit's segments (up to 8) as one thread block
+// cluster; when every unit has the same steps the shares fall on the
+// clusters' bounds, and the segments write their partial states into rank
+// 0's shared memory, which merges them (in the H100's jitted loops, 1.5-2.5
+// us less per call than the workspace's fence, counter and L2 round trip:
+// PlanLaunch). Otherwise the same launch merges through the workspace.
 // The index rules (end-aligned causal among the T rows, window, key lengths)
 // are attention_rules.h's.
 //
@@ -61,6 +67,8 @@ constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
 constexpr int kKeysPerIter = kTile.block_n;
 constexpr int kSmemBytes = kTile.smem_bytes;
+// Most segments of a unit in one cluster (1: no clusters; attention_tiles.cuh).
+constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, __CUDA_ARCH__);
 #if FA_KERNEL_SM >= 80
 constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16 step of P V)
 // A key's row in a ring stage (attention_tiles.cuh). Either layout puts the
@@ -431,6 +439,10 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   // come first and would shift them), as ring_at's layout assumes.
   extern __shared__ __align__(128) Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
+  // After s_o, on rank 0 of a cluster: its segments' rows, then their LSE.
+  float* after = reinterpret_cast<float*>(smem) + kWarps * kRows * kH;
+  float(*slot_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(after);
+  float(*slot_lse)[kRows] = reinterpret_cast<float(*)[kRows]>(after + kClusterMax * kRows * kH);
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
 
   DecodeBlock d;
@@ -452,6 +464,10 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     long long start, end;  // the unit's first step; the block's share ends at `end`
     int blocks;            // of the partition
     int b, kvh, lo, hi, unit_steps, s0;  // the unit; s0: the block's first step in it
+    // > 1: each cluster of this many blocks is one unit's segments, merged by
+    // its rank 0 in shared memory (attention_split.cuh); the launch's
+    // clusters when every unit has the same steps, at least one per block.
+    int cluster;
     // The units whose segments this block merges once its walks are done: at
     // most the two at the ends of its share (those between are whole).
     int merges;
@@ -468,12 +484,22 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   if (threadIdx.x == 0) {
     Lean l;
     l.steps = 0;
-    for (int b = 0; b < p.B; ++b) l.steps += (long long)p.K * batch_steps(b, &l.lo, &l.hi);
+    const int steps0 = batch_steps(0, &l.lo, &l.hi);
+    bool even = true;
+    for (int b = 0; b < p.B; ++b) {
+      const int c = batch_steps(b, &l.lo, &l.hi);
+      even = even && c == steps0;
+      l.steps += (long long)p.K * c;
+    }
     // The grid was sized for S keys per sequence; shorter ones leave fewer
     // steps, and blocks past them idle (every block of the partition then
     // has at least one step, so a unit's segments are those of consecutive
     // blocks).
     l.blocks = static_cast<int>(min((long long)p.split.parts, l.steps));
+    // With even units and c blocks each, block i's share starts at step
+    // i * steps0 / c: cluster u (blocks u c ...) holds unit u's segments.
+    const int c = static_cast<int>(fa_cluster_size());
+    l.cluster = kClusterMax > 1 && c > 1 && even && l.blocks == p.B * p.K * c ? c : 0;
     const long long w0 = fa_lean_start(blockIdx.x, l.steps, l.blocks);
     l.end = fa_lean_start(blockIdx.x + 1, l.steps, l.blocks);
     l.b = 0;
@@ -491,6 +517,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   }
   __syncthreads();
   if (static_cast<int>(blockIdx.x) >= s_lean.blocks) return;
+  auto clustered = [&] { return kClusterMax > 1 && s_lean.cluster > 0; };
 
   const int quads = p.H / 4;
   for (;;) {
@@ -514,6 +541,8 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     const bool whole = s_lean.s0 == 0 && s_lean.end - s_lean.start >= s_lean.unit_steps;
     const int unit = d.b * p.K + d.kvh;
     const long long slot = (long long)blockIdx.x + unit;
+    // Rank 0's rings lie under its slots: every walk of the cluster is done.
+    if (clustered()) fa_cluster_sync();
     for (int i = threadIdx.x; i < d.rows * quads; i += kThreads) {
       const int r = i / quads, e = 4 * (i % quads);
       float mx = s_m[0][r], sum = s_l[0][r], a, c, x[4];
@@ -532,11 +561,15 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
       if (whole) {
         fa_store_quad(p.out, d.out_at(p, r) + e, x);
         if (e == 0) p.lse[d.lse_at(p, r)] = lse2 * kFaLn2;
+      } else if (clustered()) {
+        const int rank = blockIdx.x % s_lean.cluster;
+        fa_store_rank0(fa_rank0_address(&slot_o[rank][r][e]), x);
+        if (e == 0) fa_store_rank0(fa_rank0_address(&slot_lse[rank][r]), lse2);
       } else {
         fa_store_partial(p.split, p.H, slot, kRows, r, e, x, lse2);
       }
     }
-    if (!whole) {
+    if (!whole && !clustered()) {
       // The unit's segments are those of blocks [first, last], in slots
       // first + unit on. Merged after the walks: in the loop, the merge's
       // registers added to the walk's made ptxas spill from H = 192.
@@ -562,11 +595,27 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     __syncthreads();
     if (s_lean.start >= s_lean.end) break;
   }
+  if (clustered()) {
+    // The block's one segment (of unit d.b, d.kvh) is in rank 0's slots.
+    fa_cluster_sync();
+    if (blockIdx.x % s_lean.cluster == 0) {
+      auto load = [&](int k, int r, int e, float& lse2, float(&x)[4]) {
+        lse2 = slot_lse[k][r];
+#pragma unroll
+        for (int f = 0; f < 4; ++f) x[f] = slot_o[k][r][e + f];
+      };
+      fa_merge_segments<kClusterMax>(
+          p, load, s_lean.cluster, d.rows, threadIdx.x, kThreads,
+          [&](int r) { return d.out_at(p, r); }, [&](int r) { return d.lse_at(p, r); });
+    }
+    return;
+  }
   for (int m = 0; m < s_lean.merges; ++m) {
     d.b = s_lean.merge[m].b;
     d.kvh = s_lean.merge[m].kvh;
     fa_merge_segments<kMergeLoads>(
-        p, p.split, s_lean.merge[m].first, s_lean.merge[m].segments, kRows, d.rows, threadIdx.x,
-        kThreads, [&](int r) { return d.out_at(p, r); }, [&](int r) { return d.lse_at(p, r); });
+        p, fa_workspace_slots(p.split, s_lean.merge[m].first, kRows, p.H),
+        s_lean.merge[m].segments, d.rows, threadIdx.x, kThreads,
+        [&](int r) { return d.out_at(p, r); }, [&](int r) { return d.lse_at(p, r); });
   }
 }

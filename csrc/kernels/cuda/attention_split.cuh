@@ -16,7 +16,9 @@
 // flattened (unit, key step) range out evenly to a wave of blocks across unit
 // boundaries (a lean, stream-K partition, below; slots block + unit) and
 // merges in the same launch. Either way a unit's slots are consecutive and
-// fa_merge_segments merges them.
+// fa_merge_segments merges them. On sm_90 the decode kernel's segments of a
+// unit can instead meet in a thread block cluster's shared memory (below),
+// merged by the same fa_merge_segments.
 #pragma once
 
 #include "attention_common.cuh"
@@ -69,20 +71,28 @@ __device__ __forceinline__ void fa_load_l2(const float* ptr, float (&x)[4]) {
                : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "l"(ptr));
 }
 
-// Merges slots [first, first + segments) of a unit of `rows` rows (those
-// below `valid` are written): out and lse of row r go to out_at(r) and
-// lse_at(r) (element offsets into p.out, p.lse). Thread `tid` of `threads`
-// takes four columns of a row at a time and merges the slots as an online
-// softmax over them, each slot's LSE loaded with its O quad: one round trip
-// to L2 per kLoads slots. kLoads is the kernel's register budget for it.
-template <int kLoads, class OutAt, class LseAt>
-__device__ __forceinline__ void fa_merge_segments(const FaOperands& p, const FaSplitKV& s,
-                                                  long long first, int segments, int rows,
+// Segment k's row r in the workspace, slots first + k, of a unit of `rows`
+// rows: load(k, r, e, lse2, x) reads its LSE and O columns [e, e + 4).
+__device__ __forceinline__ auto fa_workspace_slots(const FaSplitKV& s, long long first, int rows,
+                                                   int H) {
+  return [=](int k, int r, int e, float& lse2, float(&x)[4]) {
+    lse2 = fa_load_l2(s.partial_lse + (first + k) * rows + r);
+    fa_load_l2(s.partial_out + ((first + k) * rows + r) * H + e, x);
+  };
+}
+
+// Merges a unit's `segments` partial states, read by load (as
+// fa_workspace_slots'), into its rows below `valid`: out and lse of row r go
+// to out_at(r) and lse_at(r) (element offsets into p.out, p.lse). Thread
+// `tid` of `threads` takes four columns of a row at a time and merges the
+// segments as an online softmax over them, each segment's LSE loaded with its
+// O quad: from the workspace, one round trip to L2 per kLoads segments.
+// kLoads is the kernel's register budget for it.
+template <int kLoads, class Load, class OutAt, class LseAt>
+__device__ __forceinline__ void fa_merge_segments(const FaOperands& p, Load load, int segments,
                                                   int valid, int tid, int threads,
                                                   OutAt out_at, LseAt lse_at) {
   const int quads = p.H / 4;
-  const float* lse_parts = s.partial_lse + first * rows;
-  const float* o_parts = s.partial_out + first * rows * p.H;
   for (int i = tid; i < valid * quads; i += threads) {
     const int r = i / quads, e = 4 * (i % quads);
     float mx = FA_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -91,10 +101,7 @@ __device__ __forceinline__ void fa_merge_segments(const FaOperands& p, const FaS
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         lse2[k] = FA_NEG_INF;
-        if (s0 + k < segments) {
-          lse2[k] = fa_load_l2(lse_parts + (s0 + k) * rows + r);
-          fa_load_l2(o_parts + ((long long)(s0 + k) * rows + r) * p.H + e, x[k]);
-        }
+        if (s0 + k < segments) load(s0 + k, r, e, lse2[k], x[k]);
       }
       float m_new = mx;
 #pragma unroll
@@ -141,8 +148,9 @@ extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaP
   constexpr FaTile tile = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__);
   const int block_m = tile.block_m;
   const FaBlock blk = fa_block(p, block_m, tile.block_n);  // blockIdx.x: the unit, split 0
-  fa_merge_segments<8>(p, p.split, (long long)blk.unit * p.split.parts, p.split.parts, block_m,
-                       min(block_m, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
+  fa_merge_segments<8>(p, fa_workspace_slots(p.split, (long long)blk.unit * p.split.parts,
+                                              block_m, p.H),
+                       p.split.parts, min(block_m, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
                        [&](int r) { return fa_at(p.out_stride, blk.b, blk.m0 + r, blk.n); },
                        [&](int r) { return fa_at(p.lse_stride, blk.b, blk.m0 + r, blk.n); });
 }
@@ -162,4 +170,53 @@ __device__ __forceinline__ int fa_lean_block(long long x, long long steps, int b
 
 __device__ __forceinline__ long long fa_lean_start(int block, long long steps, int blocks) {
   return block * steps / blocks;
+}
+
+// --- Thread block clusters (the decode kernel on sm_90) ------------------------------
+
+// When each cluster of a launch holds one unit's segments, they write their
+// partial states into the shared memory of the cluster's rank 0 (distributed
+// shared memory), which merges them: no workspace round trip through L2, no
+// fence, no counter. Clusters here are 1-D: a block's rank in its cluster is
+// blockIdx.x % fa_cluster_size(). Before sm_90 there are no clusters:
+// fa_cluster_size() is 1 and the other calls are never reached.
+
+__device__ __forceinline__ unsigned fa_cluster_size() {
+  unsigned n = 1;
+#if __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+
+// All threads of all the cluster's blocks: the shared-memory stores each
+// made before (to its own block's or another's) are seen by all after.
+__device__ __forceinline__ void fa_cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// The address in rank 0's shared memory of the variable at `local` in this
+// block's (the same offset), for fa_store_rank0.
+__device__ __forceinline__ unsigned fa_rank0_address(const void* local) {
+  unsigned remote = 0;
+#if __CUDA_ARCH__ >= 900
+  asm("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(fa_smem_u32(local)));
+#endif
+  return remote;
+}
+
+__device__ __forceinline__ void fa_store_rank0(unsigned remote, const float (&x)[4]) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(x[0]),
+               "f"(x[1]), "f"(x[2]), "f"(x[3])
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void fa_store_rank0(unsigned remote, float x) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x) : "memory");
+#endif
 }

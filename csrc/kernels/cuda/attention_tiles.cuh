@@ -143,6 +143,18 @@ FA_TILE_FN int fa_decode_lanes_per_key(int h) {
   return h / 8 <= 4 ? 4 : h / 8 <= 8 ? 8 : h / 8 <= 16 ? 16 : 32;
 }
 FA_TILE_FN int fa_decode_steps(int rows) { return rows == 2 ? 8 : rows == 8 ? 2 : 4; }
+// The most segments of one unit that run as a thread block cluster and merge
+// in its rank 0's shared memory (attention_decode.cu): build 80 on sm_90 and
+// newer, up to the portable cluster size, 8 (16, non-portable, was slower on
+// the H100: B = 1, S = 4K, 20 against 12.5 us); 1 elsewhere: no clusters.
+FA_TILE_FN int fa_decode_cluster_max(int build, int arch) {
+  return build == 80 && arch >= 900 ? 8 : 1;
+}
+// Rank 0's slots for its cluster's segments: each segment's rows (O and LSE).
+FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
+  const int most = fa_decode_cluster_max(build, arch);
+  return most > 1 ? most * rows * (h + 1) * 4 : 0;
+}
 
 // The forward kernels' split-KV merge (attention_split.cuh: fa_merge): threads
 // per block, one block per unit.
@@ -172,12 +184,12 @@ FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int arch) {
 // The tile of the decode kernel, build 75 or 80, at `rows` rows per block
 // (1, 2, 4 or 8) and kernel head dim h (a multiple of 32), on `arch`. Its
 // dynamic shared memory holds the K/V rings and, once the walk is done, the
-// warps' O rows.
+// warps' O rows and the cluster's slots.
 FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int arch) {
   const int warps = fa_decode_warps(build, h, arch);
   const int keys = build == 80 ? warps * kFaDecodeTileKeys
                                : warps * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
   const int ring = build == 80 ? fa_decode_ring_bytes(warps, h) : 0;
-  const int warp_rows = warps * rows * h * 4;
-  return FaTile{rows, keys, 32 * warps, ring > warp_rows ? ring : warp_rows};
+  const int after = warps * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, arch);
+  return FaTile{rows, keys, 32 * warps, ring > after ? ring : after};
 }
