@@ -54,7 +54,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       visible to query i only if ``i - left <= j <= i + right``.
     logits_soft_cap: optional static float c > 0, applied to the scaled
       logits before the bias and the masks.
-    return_residual: also return the log-sum-exp of the visible logits.
+    return_residual: also return the log-sum-exp of the visible logits,
+      under ``stop_gradient`` as jax.nn returns it: no gradient flows from it.
     implementation: None (the best path for the platform and inputs: "cpu"
       on CPUs; on NVIDIA GPUs the kernel of the compute capability, "cuda_sm70"
       (7.x below 7.5), "cuda_sm75" (7.5), "cuda_sm80" (8.0 and newer) or
@@ -125,7 +126,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
         return_residual=return_residual)
   out, lse = run_config(config, q, k, v, bias, mask, q_lens, kv_lens)
   out = out.reshape(out_shape)
-  return (out, lse.reshape(out_shape[:-1])) if return_residual else out
+  return (out, jax.lax.stop_gradient(lse.reshape(out_shape[:-1]))) if return_residual else out
 
 
 def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=None,

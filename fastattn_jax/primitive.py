@@ -17,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -54,8 +53,12 @@ def _abstract_eval(*operands, config):
   q = operands[0]
   if q.dtype not in KERNEL_DTYPES:
     raise TypeError(f"the fused paths take float32, float16 or bfloat16, got {q.dtype}")
-  return (ShapedArray(q.shape, q.dtype),
-          ShapedArray((d.B, d.T, d.N), jnp.float32))
+  # From q's aval, so that under shard_map both vary over q's manual mesh axes
+  # (and lse is sharded as q's first three dims).
+  lse_sharding = NamedSharding(q.sharding.mesh, P(*q.sharding.spec[:3]))
+  return (q.update(weak_type=False),
+          q.update(shape=(d.B, d.T, d.N), dtype=jnp.dtype(jnp.float32), weak_type=False,
+                   sharding=lse_sharding))
 
 
 # --- batching: fold every vmapped dim into B -------------------------------

@@ -126,6 +126,28 @@ def test_grad_under_sharding(mesh, spec_name, rng, impl):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_grad_inside_shard_map(mesh, rng, impl):
+  """jax.grad of a data-parallel loss whose shards call fast_attention
+  inside jax.shard_map: the outputs vary over the manual axis as their
+  inputs do, so the custom VJP's cotangents carry that axis."""
+  sharded, plain, _ = _setup(mesh, SPECS["batch"], {}, 2, rng)
+
+  def shard_loss(q, k, v):
+    out, lse = fast_attention(q, k, v, is_causal=True, return_residual=True,
+                              implementation=impl)
+    return jax.lax.psum(jnp.sum(jnp.sin(out)) + jnp.sum(lse), "data")
+
+  spec = P("data")
+  loss = jax.shard_map(shard_loss, mesh=mesh, in_specs=(spec,) * 3, out_specs=P())
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(sharded["q"], sharded["k"], sharded["v"])
+  want = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fast_attention(
+      q, k, v, is_causal=True, implementation=impl))), argnums=(0, 1, 2))(
+          plain["q"], plain["k"], plain["v"])
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_sequence_sharding_is_gathered(mesh, rng, impl):
   """Control: the kernel needs whole sequences, so a T-sharded query is
   gathered; the HLO check above does see collectives when there are some."""
