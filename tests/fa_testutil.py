@@ -92,20 +92,13 @@ def _as_4d(x):
   return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def reference64(query, key, value, bias=None, mask=None, *, scale=None,
-                is_causal=False, query_seq_lengths=None,
-                key_value_seq_lengths=None, local_window_size=None,
-                logits_soft_cap=None, block_elems=1 << 21):
-  """Attention by the definition in float64; returns (out, lse) as numpy.
-
-  Works on (B,T,N,H) or (T,N,H) inputs; bias/mask of any rank <= 4
-  broadcastable to (B,N,T,S). Computes (b, n, block of rows) at a time so a
-  4096 x 4096 problem needs only ``block_elems`` logits in memory.
-  """
-  q, k, v = _f64(query), _f64(key), _f64(value)
-  three_d = q.ndim == 3
-  if three_d:
-    q, k, v = q[None], k[None], v[None]
+def _reference64_rows(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                      key_value_seq_lengths, local_window_size, logits_soft_cap, block_elems):
+  """The float64 definition's pieces, block by block: yields (b, n, rows, q
+  rows, key and value head, scaled logits before the soft cap, final logits
+  with the hidden ones at -inf, visibility, softmax P with zero rows where
+  nothing is visible, LSE). q, k, v: 4-D numpy float64."""
+  q, k, v = query, key, value
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
@@ -117,8 +110,6 @@ def reference64(query, key, value, bias=None, mask=None, *, scale=None,
     local_window_size = (local_window_size, local_window_size)
   ql = None if query_seq_lengths is None else np.asarray(query_seq_lengths)
   kl = None if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
-  out = np.zeros((B, T, N, H))
-  lse = np.full((B, T, N), -np.inf)
   j = np.arange(S)[None, :]
   rows = max(1, block_elems // max(S, 1))
   for b in range(B):
@@ -127,9 +118,10 @@ def reference64(query, key, value, bias=None, mask=None, *, scale=None,
       for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
         i = np.arange(r0, r1)[:, None]
-        s = (q[b, r0:r1, n] @ kb.T) * scale
+        x = (q[b, r0:r1, n] @ kb.T) * scale
+        s = x
         if logits_soft_cap is not None:
-          s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+          s = logits_soft_cap * np.tanh(x / logits_soft_cap)
         if bias4 is not None:
           s = s + bias4[b, n, r0:r1]
         vis = np.ones((r1 - r0, S), bool)
@@ -150,11 +142,69 @@ def reference64(query, key, value, bias=None, mask=None, *, scale=None,
         p = np.where(vis, np.exp(s - m), 0.0)
         l = p.sum(axis=1)
         l_safe = np.where(has, l, 1.0)
-        out[b, r0:r1, n] = np.where(has[:, None], (p @ vb) / l_safe[:, None], 0.0)
-        lse[b, r0:r1, n] = np.where(has, m[:, 0] + np.log(l_safe), -np.inf)
+        yield b, n, slice(r0, r1), kb, vb, x, s, vis, p / l_safe[:, None], m[:, 0] + np.log(l_safe)
+
+
+def reference64(query, key, value, bias=None, mask=None, *, scale=None,
+                is_causal=False, query_seq_lengths=None,
+                key_value_seq_lengths=None, local_window_size=None,
+                logits_soft_cap=None, block_elems=1 << 21):
+  """Attention by the definition in float64; returns (out, lse) as numpy.
+
+  Works on (B,T,N,H) or (T,N,H) inputs; bias/mask of any rank <= 4
+  broadcastable to (B,N,T,S). Computes (b, n, block of rows) at a time so a
+  4096 x 4096 problem needs only ``block_elems`` logits in memory.
+  """
+  q, k, v = _f64(query), _f64(key), _f64(value)
+  three_d = q.ndim == 3
+  if three_d:
+    q, k, v = q[None], k[None], v[None]
+  B, T, N, H = q.shape
+  out = np.zeros((B, T, N, H))
+  lse = np.full((B, T, N), -np.inf)
+  for b, n, rows, _, vb, _, _, vis, p, lse_rows in _reference64_rows(
+      q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+      local_window_size, logits_soft_cap, block_elems):
+    has = vis.any(axis=1)
+    out[b, rows, n] = p @ vb
+    lse[b, rows, n] = np.where(has, lse_rows, -np.inf)
   if three_d:
     out, lse = out[0], lse[0]
   return out, lse
+
+
+def reference64_grads(query, key, value, d_out, bias=None, mask=None, *, scale=None,
+                      is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                      local_window_size=None, logits_soft_cap=None, block_elems=1 << 21):
+  """The gradients of sum(out * d_out) by the definition in float64, written
+  out (FlashAttention-2's backward, Dao 2023, Algorithm 2, without tiles):
+  dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), through the soft cap's tanh,
+  dQ = scale dS K, dK = scale dS^T Q; GQA heads summed into their key/value
+  head. Returns numpy (dq, dk, dv, dbias) shaped as the inputs (4-D;
+  dbias summed over bias's broadcast dims, None without bias)."""
+  q, k, v, do = _f64(query), _f64(key), _f64(value), _f64(d_out)
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  G = N // K
+  scale_ = 1.0 / np.sqrt(H) if scale is None else float(scale)
+  dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+  dbias = None if bias is None else np.zeros((B, N, T, k.shape[1]))
+  for b, n, rows, kb, vb, x, _, _, p, _ in _reference64_rows(
+      q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+      local_window_size, logits_soft_cap, block_elems):
+    dor = do[b, rows, n]
+    dv[b, :, n // G] += p.T @ dor
+    ds = p * (dor @ vb.T - np.sum(dor * (p @ vb), axis=1, keepdims=True))
+    if dbias is not None:
+      dbias[b, n, rows] = ds
+    if logits_soft_cap is not None:
+      ds = ds * (1 - np.tanh(x / logits_soft_cap) ** 2)
+    dq[b, rows, n] = scale_ * ds @ kb
+    dk[b, :, n // G] += scale_ * ds.T @ q[b, rows, n]
+  if dbias is not None:
+    shape = _as_4d(np.asarray(bias)).shape
+    dbias = dbias.sum(axis=tuple(a for a in range(4) if shape[a] == 1), keepdims=True)
+  return dq, dk, dv, dbias
 
 
 # --- comparisons --------------------------------------------------------------
