@@ -1,7 +1,8 @@
 """Benchmark: ``fast_attention`` against ``jax.nn.dot_product_attention``.
 
-What it measures, for each shape of a grid chosen per platform (forward pass
-only, jitted, inputs already on the device):
+What it measures, for each shape of a grid chosen per platform (the forward
+pass, or with ``--backward`` forward + backward, ``jax.grad`` of sum(out^2);
+jitted, inputs already on the device):
 
 * time: ``fastattn_jax._util.median_seconds`` of the compiled function
   after a warm-up call: the median of loops of calls (20 on GPUs, 1 on the
@@ -30,6 +31,7 @@ Run::
   python -m benchmarks.bench                # full grid (about 10-15 min on 2 CPU cores)
   python -m benchmarks.bench --quick        # tiny grid, a smoke test
   python -m benchmarks.bench --seq-lens 512,1024 --decode-lens 4096 --out /tmp/b
+  python -m benchmarks.bench --backward     # forward + backward (jax.grad), T = S rows
 
   python -m benchmarks.bench --plot-only gpu_run/bench.json   # redraw gpu_run/bench.png
 
@@ -55,7 +57,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import fastattn_jax
-from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax import backends, fast_attention, resolve_implementation
 from fastattn_jax._util import format_bytes, median_seconds
 
 SUBJECT = "fastattn"
@@ -77,6 +79,7 @@ class Case:
   H: int
   causal: bool
   dtype: str
+  backward: bool = False  # time jax.grad of sum(out^2) (forward + backward) instead
 
   def visible_pairs(self) -> int:
     """Query-key pairs that attention computes (jax.nn's causal: key j <= query i)."""
@@ -86,8 +89,12 @@ class Case:
     return diagonal * (diagonal + 1) // 2 + (self.T - diagonal) * self.S
 
   def flops(self) -> int:
-    """FLOPs of the forward pass: 4 * B * N * H per visible query-key pair."""
-    return 4 * self.B * self.N * self.H * self.visible_pairs()
+    """FLOPs: 4 * B * N * H per visible query-key pair for the forward pass;
+    with ``backward``, 3.5 times that (the backward's five products, S and dP
+    recomputed, dV, dK and dQ, counted as 2.5 forwards, as FlashAttention-2
+    does)."""
+    forward = 4 * self.B * self.N * self.H * self.visible_pairs()
+    return forward * 7 // 2 if self.backward else forward
 
   def logits_bytes(self) -> int:
     """Size of one float32 B x N x T x S buffer, what an unfused path materializes."""
@@ -118,7 +125,7 @@ def _forced(path: str) -> Callable[[Case], Callable]:
   return make
 
 
-def competitors(platform_name: str, dtype: str) -> list[Competitor]:
+def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[Competitor]:
   """fast_attention first, then what it is compared with on a JAX platform
   ("cpu", "gpu"), for inputs of ``dtype`` (a dtype name such as "bfloat16":
   it picks fast_attention's default path).
@@ -126,20 +133,25 @@ def competitors(platform_name: str, dtype: str) -> list[Competitor]:
   Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
   fast_attention forced onto the older kernel paths the GPU also runs
   ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
-  time them on the same silicon.
+  time them on the same silicon. With ``backward``, a fastattn path without
+  a fused backward (``backends.BACKWARD_PATHS``) counts as materializing the
+  logits: its gradient replays the reference math.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
+  unfused = lambda path: path == "xla" or (backward and path not in backends.BACKWARD_PATHS)
   comps = [
-      Competitor(SUBJECT, _fast, materializes_logits=fast_path == "xla"),
+      Competitor(SUBJECT, _fast, materializes_logits=unfused(fast_path)),
       Competitor("xla", _jax_nn("xla"), materializes_logits=True),
   ]
   if backend == "cuda":
     comps.append(Competitor("cudnn", _jax_nn("cudnn"), materializes_logits=False))
     if fast_path == "cuda_sm90":
-      comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"), materializes_logits=False))
+      comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"),
+                              materializes_logits=unfused("cuda_sm80")))
     if fast_path in ("cuda_sm80", "cuda_sm90"):
-      comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"), materializes_logits=False))
+      comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"),
+                              materializes_logits=unfused("cuda_sm75")))
   return comps
 
 
@@ -240,8 +252,12 @@ def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
   for comp in comps:
     result = {"memory": {}, "skipped": None}
     results[comp.name] = result
+    fn = comp.make(case)
+    if case.backward:
+      fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(jnp.square(f(q, k, v).astype(jnp.float32))),
+                    argnums=(0, 1, 2))
     try:
-      compiled = jax.jit(comp.make(case)).lower(*args).compile()
+      compiled = jax.jit(fn).lower(*args).compile()
     except Exception as err:  # e.g. cuDNN refusing a shape: report, go on
       result["skipped"] = f"does not run: {str(err).splitlines()[0][:120]}"
       continue
@@ -433,7 +449,9 @@ def write_png(result: dict, path: str) -> None:
     ValueError: as :func:`plot`.
   """
   env = result["environment"]
-  title = (f"fast_attention ({env['fastattn_path']} path) vs jax.nn.dot_product_attention\n"
+  what = "forward + backward" if result["rows"][0]["case"].get("backward") else "forward"
+  title = (f"fast_attention ({env['fastattn_path']} path) vs jax.nn.dot_product_attention, "
+           f"{what}\n"
            f"{env['device']}, JAX {env['jax']}")
   plot(result["rows"], platform_name=env["platform"], title=title).savefig(path, dpi=120)
 
@@ -495,6 +513,9 @@ def main(argv=None) -> None:
   parser.add_argument("--time-budget", type=float, default=3.0,
                       help="seconds of timed calls per measurement (default 3)")
   parser.add_argument("--max-repeats", type=int, default=10)
+  parser.add_argument("--backward", action="store_true",
+                      help="time forward + backward (jax.grad of sum(out^2) with respect to "
+                           "q, k and v) on the T = S rows")
   parser.add_argument("--plot-only", metavar="BENCH_JSON",
                       help="time nothing: redraw a saved bench.json into the PNG beside it "
                            "(bench.json -> bench.png)")
@@ -520,9 +541,11 @@ def main(argv=None) -> None:
   budget = (memory_budget(jax.devices()[0]) if args.memory_budget is None
             else int(args.memory_budget * 2**30))
   gpu = env["platform"] == "gpu"
-  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype)
+  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype, args.backward)
   names = [c.name for c in comps]
   cases = grid.cases(dtype, seq_lens, decode_lens)
+  if args.backward:
+    cases = [dataclasses.replace(c, backward=True) for c in cases if c.T == c.S]
 
   env.update(dtype=dtype, memory_budget_gib=round(budget / 2**30, 2))
   for key, value in env.items():
@@ -536,7 +559,8 @@ def main(argv=None) -> None:
 
   print()
   print(format_table(rows, names, env["platform"]))
-  print(f"{throughput_unit(env['platform'])[0]} = 4*B*N*H*(visible query-key pairs) / time: "
+  print(f"{throughput_unit(env['platform'])[0]} = 4*B*N*H*(visible query-key pairs) / time"
+        f"{' times 3.5 (forward + backward)' if args.backward else ''}: "
         "causal counts only the visible pairs (about half).")
   os.makedirs(args.out, exist_ok=True)
   json_path = os.path.join(args.out, "bench.json")

@@ -54,6 +54,7 @@ NB_MODULE(_ffi, m) {
   m.def("registrations", []() {
     nb::dict cpu, cuda, stages, targets;
     cpu["fastattn_attention_cpu"] = Capsule(AttentionCpu);
+    cpu["fastattn_attention_cpu_backward"] = Capsule(AttentionCpuBackward);
     stages["instantiate"] = Capsule(AttentionCudaInstantiate);
     stages["initialize"] = Capsule(AttentionCudaInitialize);
     stages["execute"] = Capsule(AttentionCudaExecute);
@@ -80,13 +81,16 @@ NB_MODULE(_ffi, m) {
   }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
 
   m.def("cpu_plan",
-        [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t workers) {
+        [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t workers,
+           bool backward) {
           fastattn::AttentionParams p;
           p.B = B, p.T = T, p.S = S, p.N = N, p.K = K, p.H = H;
-          return Dict(fastattn::PlanCpu(p, workers).Facts());
+          return Dict((backward ? fastattn::PlanCpuBackward(p, workers)
+                                : fastattn::PlanCpu(p, workers)).Facts());
         },
         nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"), nb::arg("K"), nb::arg("H"),
-        nb::arg("workers"), "How the CPU kernel runs a call on that many workers.");
+        nb::arg("workers"), nb::arg("backward") = false,
+        "How the CPU kernel (or its backward) runs a call on that many workers.");
 
   // --- CUDA kernels: the rules (csrc/cuda/variants.h), no GPU needed ----------
 

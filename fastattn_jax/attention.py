@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.custom_derivatives import SymbolicZero
+
 from fastattn_jax import backends, primitive, shapes
 from fastattn_jax.reference import attention_reference
 from fastattn_jax.shapes import AttentionConfig
@@ -92,9 +94,16 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     TypeError: on dtypes that do not fit, or traced values where static ones
       are needed (scale, local_window_size, logits_soft_cap).
 
-  Differentiable (``jax.grad``): the backward pass recomputes attention with
-  the reference math. Works under jit, vmap, scan, checkpoint and with inputs
-  sharded along batch or heads.
+  Differentiable (``jax.grad``). The "cpu" path has a fused backward
+  (FlashAttention-2's, Dao 2023, Algorithm 2: from the saved out and LSE it
+  recomputes P and dS tile by tile; dK and dV per key tile, dQ in a separate
+  pass per query block, so every sum has a fixed order: deterministic, no
+  atomics, no T x S buffer). The other paths' backward recomputes attention
+  with the reference math, which materializes T x S. A differentiated bias
+  gets its gradient (dS summed over its broadcast dims) from the reference
+  math on every path, computed only when the bias is differentiated. Works
+  under jit, vmap, scan, checkpoint and with inputs sharded along batch or
+  heads.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   out_shape = query.shape
@@ -191,16 +200,36 @@ def _fused(config, q, k, v, bias, mask, q_lens, kv_lens):
   return primitive.bind(config, *operands)
 
 
-def _fused_fwd(config, *args):
-  return _fused(config, *args), args
+def _fused_fwd(config, *primals):
+  """Keeps the operands, out and lse (FlashAttention-2's residuals), and whether
+  the bias is differentiated (as the residuals' structure: () if so, else None)."""
+  args = tuple(None if x is None else x.value for x in primals)
+  out, lse = _fused(config, *args)
+  bias = primals[3]
+  return (out, lse), (args, out, lse, () if bias is not None and bias.perturbed else None)
 
 
-def _fused_bwd(config, args, cotangents):
+def _fused_bwd(config, residuals, cotangents):
+  args, out, lse, bias_wanted = residuals
   q, k, v, bias, mask, q_lens, kv_lens = args
-  forward = lambda q, k, v, bias: attention_reference(
-      config, q, k, v, bias, mask, q_lens, kv_lens)
-  _, vjp = jax.vjp(forward, q, k, v, bias)
-  return (*vjp(cotangents), None, None, None)
+  d_out, d_lse = (jnp.zeros_like(primal) if isinstance(ct, SymbolicZero) else ct
+                  for ct, primal in zip(cotangents, (out, lse)))
+  if q.dtype == jnp.float64:
+    forward = lambda q, k, v, bias: attention_reference(
+        config, q, k, v, bias, mask, q_lens, kv_lens)
+    _, vjp = jax.vjp(forward, q, k, v, bias)
+    return (*vjp((d_out, d_lse)), None, None, None)
+  operands = [x for x in args if x is not None]
+  dq, dk, dv = primitive.bind_backward(config, *operands, out, lse, d_out,
+                                       d_lse.astype(jnp.float32))
+  d_bias = None
+  if bias_wanted is not None:
+    # dBias = dS summed over the bias's broadcast dims: from the reference math (it materializes
+    # B x N x T x S), only when the bias is differentiated.
+    forward = lambda bias: attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
+    _, vjp = jax.vjp(forward, bias)
+    (d_bias,) = vjp((d_out, d_lse.astype(lse.dtype)))
+  return dq, dk, dv, d_bias, None, None, None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

@@ -27,10 +27,13 @@ from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
 
-#: The FFI target of the fused CPU kernel.
+#: The FFI targets of the fused CPU kernel and of its backward.
 CPU_TARGET = "fastattn_attention_cpu"
+CPU_BACKWARD_TARGET = "fastattn_attention_cpu_backward"
 #: Fused paths built into this package: implementation name -> JAX platform.
 FUSED_PATHS = {"cpu": "cpu", **{name: "cuda" for name in cuda.IMPLEMENTATIONS}}
+#: Fused paths with a fused backward; the others differentiate by the reference math.
+BACKWARD_PATHS = ("cpu",)
 #: Paths that need no kernel of ours.
 OTHER_PATHS = ("xla", "cudnn")
 
@@ -151,12 +154,30 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.call(implementation, config, attrs, q, k, v, bias, mask, q_lens, kv_lens)
   B, T, N, _ = q.shape
-  empty = lambda dtype: jnp.zeros((0,), dtype)
   return jax.ffi.ffi_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                        jax.ShapeDtypeStruct((B, T, N), jnp.float32)))(
-      q, k, v,
-      empty(q.dtype) if bias is None else bias,
-      empty(jnp.bool_) if mask is None else mask,
-      empty(jnp.int32) if q_lens is None else q_lens,
-      empty(jnp.int32) if kv_lens is None else kv_lens,
-      **attrs, variant=np.int64(0), fold_heads=np.int64(0))
+      *_cpu_operands(q, k, v, bias, mask, q_lens, kv_lens), **attrs, variant=np.int64(0),
+      fold_heads=np.int64(0))
+
+
+def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, bias, mask,
+                        q_lens, kv_lens, out, lse, d_out, d_lse):
+  """Runs the fused backward of ``implementation`` (one of ``BACKWARD_PATHS``): the
+  gradients (dq, dk, dv) of the call ``fused_call`` ran, from its out (B, T, N, H) and
+  lse (B, T, N) and their cotangents d_out and d_lse (float32)."""
+  if implementation not in BACKWARD_PATHS:
+    raise ValueError(f"{implementation!r} has no fused backward")
+  return jax.ffi.ffi_call(CPU_BACKWARD_TARGET, tuple(
+      jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))(
+          *_cpu_operands(q, k, v, bias, mask, q_lens, kv_lens), out, lse, d_out, d_lse,
+          **rule_attrs(config), variant=np.int64(0), fold_heads=np.int64(0))
+
+
+def _cpu_operands(q, k, v, bias, mask, q_lens, kv_lens):
+  """The CPU targets' operands: absent optional ones as empty arrays (read as "none")."""
+  empty = lambda dtype: jnp.zeros((0,), dtype)
+  return (q, k, v,
+          empty(q.dtype) if bias is None else bias,
+          empty(jnp.bool_) if mask is None else mask,
+          empty(jnp.int32) if q_lens is None else q_lens,
+          empty(jnp.int32) if kv_lens is None else kv_lens)

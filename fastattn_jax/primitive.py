@@ -1,14 +1,23 @@
-"""The ``fast_attention`` JAX primitive and its rules.
+"""The ``fast_attention`` JAX primitives, forward and backward, and their rules.
 
-Operands: query (B,T,N,H), key and value (B,S,K,H), then whichever of bias,
-mask, query lengths and key/value lengths are present (``AttentionConfig``
-says which). Results: out (B,T,N,H) and lse (B,T,N) float32.
+``fast_attention``: operands query (B,T,N,H), key and value (B,S,K,H), then
+whichever of bias, mask, query lengths and key/value lengths are present
+(``AttentionConfig`` says which). Results: out (B,T,N,H) and lse (B,T,N)
+float32.
 
-Rules: abstract evaluation (``shapes.check_operands``); batching (extra
-leading dims fold into B); lowering per platform, where a fused path lowers
-through ``custom_partitioning`` so inputs sharded along batch or heads run the
-kernel shard by shard with no all-gather. Differentiation is a ``custom_vjp``
-one level up, in ``fastattn_jax.attention``.
+``fast_attention_bwd``: the forward's operands, then its results out and lse
+and their cotangents d_out (B,T,N,H) and d_lse (B,T,N) float32. Results: dq,
+dk, dv, shaped as query, key and value (FlashAttention-2's backward, Dao 2023,
+Algorithm 2; dBias is not among them, see ``fastattn_jax.attention``).
+
+Rules, shared by both: abstract evaluation (``shapes.check_operands``);
+batching (extra leading dims fold into B); lowering per platform, where a
+fused path lowers through ``custom_partitioning`` so inputs sharded along
+batch or heads run the kernel shard by shard with no all-gather. The backward
+lowers to the path's fused backward where it has one
+(``backends.BACKWARD_PATHS``), else to the reference math's VJP.
+Differentiation is a ``custom_vjp`` one level up, in
+``fastattn_jax.attention``.
 """
 
 from __future__ import annotations
@@ -28,26 +37,34 @@ from fastattn_jax.reference import attention_reference
 from fastattn_jax.shapes import KERNEL_DTYPES, AttentionConfig, check_operands
 
 fast_attention_p = Primitive("fast_attention")
-fast_attention_p.multiple_results = True
-require_devices_during_lowering(fast_attention_p)
+fast_attention_bwd_p = Primitive("fast_attention_bwd")
+#: Operands the backward takes after the forward's: out, lse, d_out, d_lse.
+_RESIDUALS = 4
+for _p in (fast_attention_p, fast_attention_bwd_p):
+  _p.multiple_results = True
+  require_devices_during_lowering(_p)
 
 
 def bind(config: AttentionConfig, *operands):
-  """Binds the primitive; returns ``(out, lse)``."""
+  """Binds the forward; returns ``(out, lse)``."""
   return tuple(fast_attention_p.bind(*operands, config=config))
 
 
+def bind_backward(config: AttentionConfig, *operands):
+  """Binds the backward on the forward's operands + (out, lse, d_out, d_lse);
+  returns ``(dq, dk, dv)``."""
+  return tuple(fast_attention_bwd_p.bind(*operands, config=config))
+
+
 @functools.cache
-def _jitted_bind(config: AttentionConfig):
-  return jax.jit(functools.partial(bind, config))
+def _jitted_bind(prim, config: AttentionConfig):
+  return jax.jit(lambda *operands: tuple(prim.bind(*operands, config=config)))
 
 
-@fast_attention_p.def_impl
-def _impl(*operands, config):
-  return _jitted_bind(config)(*operands)
+def _impl(*operands, config, prim):
+  return _jitted_bind(prim, config)(*operands)
 
 
-@fast_attention_p.def_abstract_eval
 def _abstract_eval(*operands, config):
   d = check_operands(config, operands)
   q = operands[0]
@@ -61,15 +78,30 @@ def _abstract_eval(*operands, config):
                    sharding=lse_sharding))
 
 
+def _bwd_abstract_eval(*operands, config):
+  out, lse = _abstract_eval(*operands[:-_RESIDUALS], config=config)
+  for name, x, like in zip(("out", "lse", "d_out", "d_lse"), operands[-_RESIDUALS:],
+                           (out, lse, out, lse)):
+    if x.shape != like.shape:
+      raise ValueError(f"{name} must have shape {like.shape}, got {x.shape}")
+  return tuple(x.update(weak_type=False) for x in operands[:3])
+
+
+for _p, _rule in ((fast_attention_p, _abstract_eval), (fast_attention_bwd_p, _bwd_abstract_eval)):
+  _p.def_impl(functools.partial(_impl, prim=_p))
+  _p.def_abstract_eval(_rule)
+
+
 # --- batching: fold every vmapped dim into B -------------------------------
 
-def _batch_rule(operands, batch_dims, *, config):
+def _batch_rule(operands, batch_dims, *, config, prim):
   size = next(x.shape[d] for x, d in zip(operands, batch_dims)
               if d is not None)
   q_dim = batch_dims[0]
   B = operands[0].shape[0 if q_dim is None or q_dim > 0 else 1]
-  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(
-      tuple(zip(operands, batch_dims)))
+  pairs = tuple(zip(operands, batch_dims))
+  n_forward = len(pairs) - (_RESIDUALS if prim is fast_attention_bwd_p else 0)
+  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(pairs[:n_forward])
 
   def fold(x_d, full_b=True):
     """(B, ...) or vmapped (V, B, ...) -> (V * B, ...).
@@ -91,13 +123,13 @@ def _batch_rule(operands, batch_dims, *, config):
     return x.reshape(size * B, *x.shape[2:])
 
   folded = [fold(q), fold(k), fold(v), fold(bias, False), fold(mask, False),
-            fold(q_lens), fold(kv_lens)]
-  out, lse = bind(config, *(x for x in folded if x is not None))
-  return ((out.reshape(size, B, *out.shape[1:]),
-           lse.reshape(size, B, *lse.shape[1:])), (0, 0))
+            fold(q_lens), fold(kv_lens), *(fold(r) for r in pairs[n_forward:])]
+  results = prim.bind(*(x for x in folded if x is not None), config=config)
+  return tuple(r.reshape(size, B, *r.shape[1:]) for r in results), (0,) * len(results)
 
 
-batching.primitive_batchers[fast_attention_p] = _batch_rule
+for _p in (fast_attention_p, fast_attention_bwd_p):
+  batching.primitive_batchers[_p] = functools.partial(_batch_rule, prim=_p)
 
 
 # --- sharding: the kernel runs per shard of batch and heads -----------------
@@ -117,15 +149,18 @@ def _axes_size(mesh, axes) -> int:
   return size
 
 
-def _shardings(config, mesh, arg_shapes):
+def _shardings(config, mesh, arg_shapes, backward):
   """Shardings the kernel runs under: q's batch and head axes, if usable.
 
   Heads are split only if K divides by the head shards: then shard p of the
   query heads, [p N/P, (p+1) N/P), reads exactly shard p of the key/value
   heads. Sequence and head-dim axes are gathered (the masks need global
-  indices).
+  indices). The backward's out and d_out are sharded as q, lse and d_lse as
+  its first three dims, its results as q, k and v.
   """
   args = jax.tree.leaves(arg_shapes)
+  if backward:
+    args = args[:-_RESIDUALS]
   q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(args)
   B, T, N, H = q.shape
   K = k.shape[2]
@@ -140,30 +175,43 @@ def _shardings(config, mesh, arg_shapes):
     return named(b_axes if x.shape[0] == B else None,
                  n_axes if x.shape[1] == N else None, None, None)
 
-  arg_shardings = [named(b_axes, None, n_axes, None),
-                   named(b_axes, None, n_axes, None),
-                   named(b_axes, None, n_axes, None)]
+  rows = named(b_axes, None, n_axes, None)
+  lse = named(b_axes, None, n_axes)
+  arg_shardings = [rows, rows, rows]
   arg_shardings += [broadcast_spec(x) for x in (bias, mask) if x is not None]
   arg_shardings += [named(b_axes) for x in (q_lens, kv_lens) if x is not None]
-  results = (named(b_axes, None, n_axes, None), named(b_axes, None, n_axes))
-  return arg_shardings, results
+  if backward:
+    arg_shardings += [rows, lse, rows, lse]
+    return arg_shardings, (rows, rows, rows)
+  return arg_shardings, (rows, lse)
 
 
-def _infer_sharding(implementation, config, mesh, arg_shapes, result_shape):
-  return _shardings(config, mesh, arg_shapes)[1]
+def _call(implementation, backward, config, operands):
+  """The fused kernel (or its backward) of ``implementation`` on 4-D operands."""
+  if backward:
+    return backends.fused_backward_call(
+        implementation, config, *config.split_operands(operands[:-_RESIDUALS]),
+        *operands[-_RESIDUALS:])
+  return backends.fused_call(implementation, config, *config.split_operands(operands))
 
 
-def _partition(implementation, config, mesh, arg_shapes, result_shape):
-  arg_shardings, results = _shardings(config, mesh, arg_shapes)
+def _infer_sharding(implementation, backward, config, mesh, arg_shapes, result_shape):
+  return _shardings(config, mesh, arg_shapes, backward)[1]
+
+
+def _partition(implementation, backward, config, mesh, arg_shapes, result_shape):
+  arg_shardings, results = _shardings(config, mesh, arg_shapes, backward)
 
   def lower_fn(operands):
-    return backends.fused_call(implementation, config, *config.split_operands(operands))
+    return _call(implementation, backward, config, operands)
 
   return mesh, lower_fn, results, (tuple(arg_shardings),)
 
 
-def _sharding_rule(implementation, config, mesh, operand_types, result_types):
+def _sharding_rule(implementation, backward, config, mesh, operand_types, result_types):
   """Shardy rule: batch and heads pass through; T, S, H are not split."""
+  if backward:
+    operand_types = operand_types[:-_RESIDUALS]
   q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(operand_types)
   full = ("b", "n", "t", "s")
   dims = lambda t: list(mlir.ir.RankedTensorType(t).shape)
@@ -175,45 +223,64 @@ def _sharding_rule(implementation, config, mesh, operand_types, result_types):
       operands.append(" ".join(
           f if d == size else f"{f}{idx}" for f, d, size in zip(full, dims(x), sizes)))
   operands += ["b" for x in (q_lens, kv_lens) if x is not None]
-  rule = f"{', '.join(operands)} -> b t n h, b t n"
+  if backward:
+    operands += ["b t n h", "b t n", "b t n h", "b t n"]
+    results = "b t n h, b s k h, b s k h"
+  else:
+    results = "b t n h, b t n"
+  rule = f"{', '.join(operands)} -> {results}"
   return rule, {"need_replication_factors": ("t", "h", "s")}  # in order of first use
 
 
 @functools.cache
-def _partitioned(implementation: str):
-  """The fused kernel of ``implementation`` wrapped for per-shard execution."""
+def _partitioned(implementation: str, backward: bool):
+  """The fused kernel (or backward) of ``implementation`` wrapped for per-shard execution."""
 
-  @functools.partial(custom_partitioning, static_argnums=(0, 1))
-  def call(implementation, config, operands):
-    return backends.fused_call(implementation, config, *config.split_operands(operands))
+  @functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
+  def call(implementation, backward, config, operands):
+    return _call(implementation, backward, config, operands)
 
   call.def_partition(
       partition=_partition,
       infer_sharding_from_operands=_infer_sharding,
       sharding_rule=_sharding_rule,
   )
-  return functools.partial(call, implementation)
+  return functools.partial(call, implementation, backward)
 
 
 # --- lowering ----------------------------------------------------------------
 
-def _lowering(ctx, *operands, config, platform):
+def reference_grads(config: AttentionConfig, q, k, v, bias, mask, q_lens, kv_lens, d_out,
+                    d_lse):
+  """(dq, dk, dv) of the reference math: the backward of paths with no fused one."""
+  forward = lambda q, k, v: attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
+  _, vjp = jax.vjp(forward, q, k, v)
+  return vjp((d_out, d_lse.astype(jnp.promote_types(q.dtype, jnp.float32))))
+
+
+def _lowering(ctx, *operands, config, platform, backward):
   requested = None if config.implementation == "auto" else config.implementation
   q_aval = ctx.avals_in[0]
   implementation = backends.resolve_implementation(
       requested, backend=platform, dtype=q_aval.dtype, head_dim=q_aval.shape[-1])
   backends.log_path_once(implementation, platform)
-  if implementation in backends.FUSED_PATHS:
+  fused = (implementation in backends.BACKWARD_PATHS if backward
+           else implementation in backends.FUSED_PATHS)
+  if fused:
     if getattr(ctx.module_context.axis_context, "num_devices", None) == 1:
-      fn = lambda *ops: backends.fused_call(implementation, config, *config.split_operands(ops))
+      fn = lambda *ops: _call(implementation, backward, config, ops)
     else:
-      fn = lambda *ops: _partitioned(implementation)(config, ops)
+      fn = lambda *ops: _partitioned(implementation, backward)(config, ops)
+  elif backward:
+    fn = lambda *ops: reference_grads(config, *config.split_operands(ops[:-_RESIDUALS]),
+                                      *ops[-2:])
   else:
     fn = lambda *ops: attention_reference(config, *config.split_operands(ops))
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
-  mlir.register_lowering(
-      fast_attention_p, functools.partial(_lowering, platform=_platform),
-      platform=_platform)
+  for _p, _backward in ((fast_attention_p, False), (fast_attention_bwd_p, True)):
+    mlir.register_lowering(
+        _p, functools.partial(_lowering, platform=_platform, backward=_backward),
+        platform=_platform)

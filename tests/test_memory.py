@@ -1,5 +1,6 @@
 """The fused path never materializes a T x S buffer (checked on the optimized
-HLO); the same scan of the xla path finds one, so the check can fail."""
+HLO), nor does its gradient where the path has a fused backward; the same scan
+of the xla path finds one, so the check can fail."""
 
 import math
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax import backends, fast_attention, resolve_implementation
 
 T, S = 4096, 4032  # distinct, so a dim of either size can be told apart
 B, N, K, H = 1, 2, 1, 64
@@ -39,7 +40,7 @@ def _fused_dtype(impl):
   return jnp.float32 if fused else jnp.bfloat16
 
 
-def _compiled_hlo(impl, opts):
+def _compiled_hlo(impl, opts, grad=False):
   dtype = _fused_dtype(impl)
   q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
   kv = jax.ShapeDtypeStruct((B, S, K, H), dtype)
@@ -52,9 +53,13 @@ def _compiled_hlo(impl, opts):
   for name in ("query_seq_lengths", "key_value_seq_lengths"):
     if name in opts:
       arrays[name] = opts.pop(name)
-  f = jax.jit(lambda q, k, v, arrays: fast_attention(
-      q, k, v, return_residual=True, implementation=impl, **arrays, **opts))
-  return f.lower(q, kv, kv, arrays).compile().as_text()
+  attend = lambda q, k, v, arrays: fast_attention(
+      q, k, v, return_residual=True, implementation=impl, **arrays, **opts)
+  f = attend
+  if grad:  # of q, k and v; the bias, if any, is not differentiated
+    f = jax.grad(lambda q, k, v, arrays: jnp.sum(
+        jnp.sin(attend(q, k, v, arrays)[0].astype(jnp.float32))), argnums=(0, 1, 2))
+  return jax.jit(f).lower(q, kv, kv, arrays).compile().as_text()
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -66,7 +71,17 @@ def test_fused_path_has_no_t_by_s_buffer(name, impl):
   assert _big_shapes(hlo) == [], f"T x S-sized buffers: {_big_shapes(hlo)}"
 
 
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_fused_gradient_has_no_t_by_s_buffer(name, impl):
+  path = resolve_implementation(impl, dtype=_fused_dtype(impl), head_dim=H)
+  if path not in backends.BACKWARD_PATHS:
+    pytest.skip(f"{path!r} has no fused backward (its gradient replays the reference math)")
+  hlo = _compiled_hlo(impl, OPTIONS[name], grad=True)
+  assert _big_shapes(hlo) == [], f"T x S-sized buffers: {_big_shapes(hlo)}"
+
+
+@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("name", ["plain", "lengths"])
-def test_xla_path_does_have_one(name):
+def test_xla_path_does_have_one(name, grad):
   """Control: the scan finds the (B, N, T, S) logits of the xla path."""
-  assert _big_shapes(_compiled_hlo("xla", OPTIONS[name]))
+  assert _big_shapes(_compiled_hlo("xla", OPTIONS[name], grad))

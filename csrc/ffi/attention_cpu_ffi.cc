@@ -1,7 +1,8 @@
-// XLA FFI handler of the fused CPU attention, target fastattn_attention_cpu:
-// checks the buffers XLA hands over, fills fastattn::AttentionParams, and runs
-// the kernel on XLA's intra-op thread pool (ffi::ThreadPool), recording its
-// plan (csrc/ffi/attention_attrs.h: RecordPlan).
+// XLA FFI handlers of the fused CPU attention, targets fastattn_attention_cpu
+// (forward) and fastattn_attention_cpu_backward: each checks the buffers XLA
+// hands over, fills fastattn::AttentionParams, and runs the kernel on XLA's
+// intra-op thread pool (ffi::ThreadPool), recording its plan
+// (csrc/ffi/attention_attrs.h: RecordPlan).
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -27,77 +28,156 @@ bool ToElementType(ffi::DataType dtype, fastattn::ElementType* out) {
   }
 }
 
-ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
-                            ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
-                            CallAttrs attrs) {
+// Fills the forward's operands of `p` (out and lse excepted) from the buffers and attributes.
+ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
+                      ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
+                      ffi::Buffer<ffi::S32> kv_lens, const CallAttrs& attrs,
+                      fastattn::AttentionParams* p) {
   fastattn::QkvDims d;
   if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
       err.failure()) {
     return err;
   }
-  fastattn::AttentionParams p;
-  p.B = d.B, p.T = d.T, p.S = d.S, p.N = d.N, p.K = d.K, p.H = d.H;
+  p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
-      q.element_type() != out->element_type() || !ToElementType(q.element_type(), &p.dtype)) {
-    return ffi::Error::InvalidArgument("query, key, value and out must share one of F32, F16, BF16");
+      !ToElementType(q.element_type(), &p->dtype)) {
+    return ffi::Error::InvalidArgument("query, key and value must share one of F32, F16, BF16");
   }
-  p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
+  p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
 
-  const int64_t full[4] = {p.B, p.N, p.T, p.S};
+  const int64_t full[4] = {p->B, p->N, p->T, p->S};
   if (bias.element_count() > 0) {
-    if (!ToElementType(bias.element_type(), &p.bias_dtype)) {
+    if (!ToElementType(bias.element_type(), &p->bias_dtype)) {
       return ffi::Error::InvalidArgument("bias must be F32, F16 or BF16");
     }
-    if (auto err = BroadcastStrides("bias", bias.dimensions(), full, p.bias_strides);
+    if (auto err = BroadcastStrides("bias", bias.dimensions(), full, p->bias_strides);
         err.failure()) {
       return err;
     }
-    p.bias = bias.untyped_data();
+    p->bias = bias.untyped_data();
   }
   if (mask.element_count() > 0) {
-    if (auto err = BroadcastStrides("mask", mask.dimensions(), full, p.mask_strides);
+    if (auto err = BroadcastStrides("mask", mask.dimensions(), full, p->mask_strides);
         err.failure()) {
       return err;
     }
-    p.mask = mask.typed_data();
+    p->mask = mask.typed_data();
   }
-  if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, p.B, &p.q_lens);
+  if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, p->B, &p->q_lens);
       err.failure()) {
     return err;
   }
-  if (auto err = fastattn::CheckLengths("key_value_seq_lengths", kv_lens, p.B, &p.kv_lens);
+  if (auto err = fastattn::CheckLengths("key_value_seq_lengths", kv_lens, p->B, &p->kv_lens);
       err.failure()) {
     return err;
   }
-  p.rules = fastattn::RulesOf(attrs);
+  p->rules = fastattn::RulesOf(attrs);
+  return ffi::Error::Success();
+}
+
+// XLA's intra-op thread pool as the kernels' workers.
+fastattn::CpuWorkers WorkersOf(ffi::ThreadPool& pool) {
   fastattn::CpuWorkers workers;
   workers.count = std::max<int64_t>(pool.num_threads(), 1);
   workers.run = [&pool](std::function<void()> task) { pool.Schedule(std::move(task)); };
+  return workers;
+}
+
+// Records the plan a call of target `name` ran with, after the call's shape.
+void Record(const char* name, const fastattn::AttentionParams& p, int64_t pool_threads,
+            const fastattn::CpuPlan& plan) {
   fastattn::PlanFacts facts = {{"B", p.B}, {"T", p.T}, {"S", p.S}, {"N", p.N}, {"K", p.K},
-                               {"H", p.H}, {"pool_threads", workers.count}};
-  for (auto& fact : fastattn::attention_forward_cpu(p, workers).Facts()) {
-    facts.push_back(std::move(fact));
+                               {"H", p.H}, {"pool_threads", pool_threads}};
+  for (auto& fact : plan.Facts()) facts.push_back(std::move(fact));
+  fastattn::RecordPlan(name, std::move(facts));
+}
+
+ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
+                            ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                            CallAttrs attrs) {
+  fastattn::AttentionParams p;
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, attrs, &p); err.failure()) {
+    return err;
   }
-  fastattn::RecordPlan("cpu", std::move(facts));
+  if (out->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("out must have the query's element type");
+  }
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  const fastattn::CpuWorkers workers = WorkersOf(pool);
+  Record("cpu", p, workers.count, fastattn::attention_forward_cpu(p, workers));
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionCpuBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::AnyBuffer bias,
+                                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
+                                    ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out,
+                                    ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
+                                    ffi::Buffer<ffi::F32> d_lse,
+                                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                    ffi::Result<ffi::AnyBuffer> dv, CallAttrs attrs) {
+  fastattn::AttentionGradParams g;
+  fastattn::AttentionParams& p = g.fwd;
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, attrs, &p); err.failure()) {
+    return err;
+  }
+  for (auto type : {out.element_type(), d_out.element_type(), dq->element_type(),
+                    dk->element_type(), dv->element_type()}) {
+    if (type != q.element_type()) {
+      return ffi::Error::InvalidArgument(
+          "out, d_out, dq, dk and dv must have the query's element type");
+    }
+  }
+  if (out.element_count() != q.element_count() || d_out.element_count() != q.element_count() ||
+      lse.element_count() != p.B * p.T * p.N || d_lse.element_count() != p.B * p.T * p.N) {
+    return ffi::Error::InvalidArgument(
+        "out and d_out must have the query's shape, lse and d_lse (B, T, N)");
+  }
+  p.out = out.untyped_data();
+  p.lse = const_cast<float*>(lse.typed_data());  // read only: the forward's residual
+  g.d_out = d_out.untyped_data();
+  g.d_lse = d_lse.typed_data();
+  g.dq = dq->untyped_data(), g.dk = dk->untyped_data(), g.dv = dv->untyped_data();
+  const fastattn::CpuWorkers workers = WorkersOf(pool);
+  Record("cpu_backward", p, workers.count, fastattn::attention_backward_cpu(g, workers));
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+namespace {
+
+// The operands both targets start with.
+auto BindOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()            // query
+      .Arg<ffi::AnyBuffer>()            // key
+      .Arg<ffi::AnyBuffer>()            // value
+      .Arg<ffi::AnyBuffer>()            // bias or empty
+      .Arg<ffi::Buffer<ffi::PRED>>()    // mask or empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // query lengths or empty
+      .Arg<ffi::Buffer<ffi::S32>>();    // key lengths or empty
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()            // query
-                                  .Arg<ffi::AnyBuffer>()            // key
-                                  .Arg<ffi::AnyBuffer>()            // value
-                                  .Arg<ffi::AnyBuffer>()            // bias or empty
-                                  .Arg<ffi::Buffer<ffi::PRED>>()    // mask or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // query lengths or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // key lengths or empty
+                              BindOperands()
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
+                                  .Attrs<CallAttrs>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpuBackward, AttentionCpuBackwardImpl,
+                              BindOperands()
+                                  .Arg<ffi::AnyBuffer>()            // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse
+                                  .Arg<ffi::AnyBuffer>()            // d_out
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // d_lse
+                                  .Ret<ffi::AnyBuffer>()            // dq
+                                  .Ret<ffi::AnyBuffer>()            // dk
+                                  .Ret<ffi::AnyBuffer>()            // dv
                                   .Attrs<CallAttrs>());

@@ -5,6 +5,8 @@
 
 // fastattn_attention_cpu: fused attention on the host.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCpu);
+// fastattn_attention_cpu_backward: its gradients dQ, dK, dV on the host.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCpuBackward);
 // fastattn_attention_cuda, platform CUDA: every CUDA kernel. "instantiate"
 // makes the call site's state, of the FFI type fastattn_cuda_site
 // (registered from the two functions below); "initialize" loads the kernel

@@ -96,6 +96,12 @@ constexpr int64_t kDecodeTileBytes = 256 * 1024;
 // Vectors of an O row accumulated at once on the decode path.
 constexpr int kRowVecs = 8;
 
+// The backward's tiles: kBwdBr query rows by kBwdBc keys, a multiple of every vector width (the
+// keys are the lanes). 64 x 64 keeps a tile's P, dS and soft-cap factors (48 KB) and the key
+// tile's K^T, V^T, dK^T and dV^T (64 KB at H = 64) within L2.
+constexpr int64_t kBwdBr = 64;
+constexpr int64_t kBwdBc = 64;
+
 // Below this many floating-point operations per extra worker, a worker costs more than it saves:
 // a second thread breaks even at T = S = 64, N = 4, H = 64 (4.2 MFLOP, 104 vs 96 us).
 constexpr double kFlopsPerThread = 4e6;
@@ -189,6 +195,7 @@ constexpr int kDims = 6;
 constexpr int kVecs = 4;
 #include "cpu_vec.inc"
 #include "attention_cpu_kernel.inc"
+#include "attention_cpu_backward.inc"
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -210,6 +217,7 @@ constexpr int kDims = 4;
 constexpr int kVecs = 3;
 #include "cpu_vec.inc"
 #include "attention_cpu_kernel.inc"
+#include "attention_cpu_backward.inc"
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -226,21 +234,37 @@ constexpr int kDims = 4;
 constexpr int kVecs = 3;
 #include "cpu_vec.inc"
 #include "attention_cpu_kernel.inc"
+#include "attention_cpu_backward.inc"
 }  // namespace baseline
 
-// Takes work items from `next` until none is left; returns how many it took.
-using Worker = int64_t (*)(const Problem&, float*, std::atomic<int64_t>&);
+// Runs one work item on a worker's scratch.
+using Worker = void (*)(const Problem&, float*, int64_t);
+using BackwardWorker = void (*)(const AttentionGradParams&, float*, int64_t);
+using ScratchFloats = int64_t (*)(int64_t);
 
-Worker best_worker() {
+struct Kernels {
+  Worker forward;
+  BackwardWorker backward;
+  ScratchFloats backward_scratch;
+};
+
+Kernels best_kernels() {
 #if FASTATTN_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-    return avx512::worker;
+    return Kernels{avx512::worker, avx512::backward_item, avx512::backward_scratch_floats};
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::worker;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return Kernels{avx2::worker, avx2::backward_item, avx2::backward_scratch_floats};
+  }
 #endif
-  return baseline::worker;
+  return Kernels{baseline::worker, baseline::backward_item, baseline::backward_scratch_floats};
+}
+
+const Kernels& kernels() {
+  static const Kernels k = best_kernels();
+  return k;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -282,29 +306,61 @@ struct AlignedFree {
   void operator()(float* ptr) const { ::operator delete(ptr, std::align_val_t{64}); }
 };
 
-// Everything the workers share, kept alive by each task that holds it: a task that starts after
-// the call returned finds no item left and reads nothing else.
-struct Shared {
-  AttentionParams p;
-  Problem pb{};
-  int64_t workers = 1;
-  std::vector<float> partials;
-  std::unique_ptr<float, AlignedFree> scratch;  // per-worker scratch, workers x floats
-  int64_t scratch_floats = 0;
-  std::atomic<int64_t> next{0};       // the next work item
-  std::atomic<int64_t> slots{1};      // the next worker's scratch (0: the caller's)
-  std::atomic<int64_t> finished{0};   // work items done
-  std::mutex mu;
-  std::condition_variable all_done;
-};
+// Runs run_item(item, scratch) for every item of [0, items) on `count` workers (the calling thread
+// one of them), each with its own 64-byte-aligned scratch of `scratch_floats` floats, and returns
+// when all items are done. All memory is allocated before any worker starts, so a failed
+// allocation throws here and nothing fails part-way. The state the workers share is kept alive by
+// each task that holds it: a task that starts after the return finds no item left and touches
+// nothing else (run_item, the caller's, is only called for an item taken before the return).
+template <class RunItem>
+void run_items(const CpuWorkers& workers, int64_t count, int64_t items, int64_t scratch_floats,
+               const RunItem& run_item) {
+  struct State {
+    const RunItem* run_item;
+    int64_t items, count, scratch_floats;
+    std::unique_ptr<float, AlignedFree> scratch;
+    std::atomic<int64_t> next{0};      // the next work item
+    std::atomic<int64_t> slots{1};     // the next worker's scratch (0: the caller's)
+    std::atomic<int64_t> finished{0};  // work items done
+    std::mutex mu;
+    std::condition_variable all_done;
 
-// Takes work items until none is left; wakes the caller when the last one is done.
-void take_items(Shared& sh, int64_t slot, Worker worker) {
-  const int64_t done = worker(sh.pb, sh.scratch.get() + slot * sh.scratch_floats, sh.next);
-  if (done > 0 && sh.finished.fetch_add(done) + done == sh.pb.items) {
-    std::lock_guard<std::mutex> lock(sh.mu);
-    sh.all_done.notify_all();
+    // Takes items until none is left; wakes the caller when the last one is done.
+    void take(int64_t slot) {
+      float* mine = scratch.get() + slot * scratch_floats;
+      int64_t done = 0;
+      for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++done) {
+        (*run_item)(item, mine);
+      }
+      if (done > 0 && finished.fetch_add(done) + done == items) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  };
+  if (items <= 0) return;
+  auto st = std::make_shared<State>();
+  st->run_item = &run_item;
+  st->items = items;
+  st->count = count;
+  st->scratch_floats = scratch_floats;
+  const size_t bytes = sizeof(float) * static_cast<size_t>(scratch_floats * count);
+  st->scratch.reset(static_cast<float*>(::operator new(bytes, std::align_val_t{64})));
+  for (int64_t t = 1; t < count; ++t) {
+    workers.run([st] {
+      const int64_t slot = st->slots.fetch_add(1);
+      if (slot < st->count) st->take(slot);
+    });
   }
+  st->take(0);
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->all_done.wait(lock, [&] { return st->finished.load() == items; });
+}
+
+// The workers worth using for `items` items of `flops` floating-point operations in all.
+int64_t useful_workers(int64_t cpus, int64_t items, double flops) {
+  return std::max<int64_t>(
+      1, std::min({cpus, items, static_cast<int64_t>(flops / kFlopsPerThread) + 1}));
 }
 
 // The plan of a call (Problem's sizes) and the workers worth using.
@@ -335,9 +391,7 @@ void plan(const AttentionParams& p, int64_t cpus, Problem* pb, int64_t* workers)
   }
   pb->splits = SplitCount(base_items, p.S, cpus, kMinSplitKeys, std::numeric_limits<int64_t>::max());
   pb->items = base_items * pb->splits;
-  const double flops = 4.0 * p.B * p.N * p.T * p.S * p.H;
-  *workers = std::max<int64_t>(
-      1, std::min({cpus, pb->items, static_cast<int64_t>(flops / kFlopsPerThread) + 1}));
+  *workers = useful_workers(cpus, pb->items, 4.0 * p.B * p.N * p.T * p.S * p.H);
 }
 
 CpuPlan Describe(const Problem& pb, int64_t workers) {
@@ -368,38 +422,23 @@ CpuPlan PlanCpu(const AttentionParams& p, int64_t workers) {
 }
 
 CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers) {
-  static const Worker worker = best_worker();
   if (Empty(params)) return CpuPlan{};
-  // All memory is allocated before any worker starts, so a failed allocation throws here and
-  // nothing can fail part-way.
-  auto sh = std::make_shared<Shared>();
-  sh->p = params;
-  plan(sh->p, std::max<int64_t>(workers.count, 1), &sh->pb, &sh->workers);
-  sh->pb.p = &sh->p;
-  const AttentionParams& p = sh->p;
-  Problem& pb = sh->pb;
+  AttentionParams p = params;
+  Problem pb;
+  int64_t count;
+  plan(p, std::max<int64_t>(workers.count, 1), &pb, &count);
+  pb.p = &p;
+  std::vector<float> partials;
   if (pb.splits > 1) {
     const int64_t rows = p.B * p.T * p.N;
-    sh->partials.resize(pb.splits * rows * (p.H + 2));
-    pb.part_o = sh->partials.data();
+    partials.resize(pb.splits * rows * (p.H + 2));
+    pb.part_o = partials.data();
     pb.part_m = pb.part_o + pb.splits * rows * p.H;
     pb.part_l = pb.part_m + pb.splits * rows;
   }
-  sh->scratch_floats = Scratch::floats(pb);
-  const size_t bytes = sizeof(float) * static_cast<size_t>(sh->scratch_floats * sh->workers);
-  sh->scratch.reset(static_cast<float*>(::operator new(bytes, std::align_val_t{64})));
-
-  for (int64_t t = 1; t < sh->workers; ++t) {
-    workers.run([sh] {
-      const int64_t slot = sh->slots.fetch_add(1);
-      if (slot < sh->workers) take_items(*sh, slot, worker);
-    });
-  }
-  take_items(*sh, 0, worker);
-  {
-    std::unique_lock<std::mutex> lock(sh->mu);
-    sh->all_done.wait(lock, [&] { return sh->finished.load() == pb.items; });
-  }
+  const Worker worker = kernels().forward;
+  run_items(workers, count, pb.items, Scratch::floats(pb),
+            [&](int64_t item, float* scratch) { worker(pb, scratch, item); });
 
   if (pb.splits > 1) {
     switch (p.dtype) {
@@ -414,7 +453,38 @@ CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& w
         break;
     }
   }
-  return Describe(pb, sh->workers);
+  return Describe(pb, count);
+}
+
+namespace {
+
+// The backward's plan: its items (both passes) and workers.
+CpuPlan plan_backward(const AttentionParams& p, int64_t cpus) {
+  CpuPlan plan;
+  plan.Br = kBwdBr;
+  plan.Bc = kBwdBc;
+  plan.items = p.B * p.K * ceil_div(p.S, kBwdBc) + p.B * p.N * ceil_div(p.T, kBwdBr);
+  // The products: S and dP twice (once per pass), dV, dK and dQ once, 2 H flops per score each.
+  plan.workers = useful_workers(cpus, plan.items, 14.0 * p.B * p.N * p.T * p.S * p.H);
+  plan.scratch_floats = kernels().backward_scratch(p.H);
+  return plan;
+}
+
+}  // namespace
+
+CpuPlan PlanCpuBackward(const AttentionParams& p, int64_t workers) {
+  if (p.B <= 0 || p.N <= 0 || p.K <= 0 || p.H <= 0) return CpuPlan{};
+  return plan_backward(p, std::max<int64_t>(workers, 1));
+}
+
+CpuPlan attention_backward_cpu(const AttentionGradParams& params, const CpuWorkers& workers) {
+  const AttentionParams& p = params.fwd;
+  if (p.B <= 0 || p.N <= 0 || p.K <= 0 || p.H <= 0) return CpuPlan{};  // no output elements
+  const CpuPlan plan = plan_backward(params.fwd, std::max<int64_t>(workers.count, 1));
+  const BackwardWorker worker = kernels().backward;
+  run_items(workers, plan.workers, plan.items, plan.scratch_floats,
+            [&](int64_t item, float* scratch) { worker(params, scratch, item); });
+  return plan;
 }
 
 }  // namespace fastattn

@@ -89,4 +89,29 @@ CpuPlan PlanCpu(const AttentionParams& params, int64_t workers);
 // small and S long.
 CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers);
 
+// The gradients of one call (FlashAttention-2's backward, Dao 2023, Algorithm 2): `fwd` is the
+// forward's call, its out and lse the residuals (read, not written); d_out and d_lse the
+// cotangents of out and lse (a gradient through the LSE adds d_lse_i P_i to dS_i);
+// dq, dk, dv (shapes of q, k, v, fwd.dtype) are written, every element. dBias is not computed.
+struct AttentionGradParams {
+  AttentionParams fwd;
+  const void* d_out = nullptr;  // (B, T, N, H)
+  const float* d_lse = nullptr;  // (B, T, N)
+  void* dq = nullptr;           // (B, T, N, H)
+  void* dk = nullptr;           // (B, S, K, H)
+  void* dv = nullptr;           // (B, S, K, H)
+};
+
+// How a backward call runs: Br query rows and Bc keys per tile (Bb = 0, splits = 1); items
+// counts both passes' work items (dK/dV per key tile, dQ per query block).
+CpuPlan PlanCpuBackward(const AttentionParams& params, int64_t workers);
+
+// Computes dQ, dK and dV in two independent passes that share one item queue: items
+// (b, kh, Bc keys) recompute P and dS for every query row that sees the tile and accumulate dK and
+// dV; items (b, n, Br rows) recompute them for every key the rows see and accumulate dQ. Each
+// output element is written by one item in a fixed order: deterministic, no atomics. Rows that
+// see no key get dQ = 0, keys no row sees dK = dV = 0. Memory beyond inputs and outputs: O((Br +
+// Bc) * H) floats per worker.
+CpuPlan attention_backward_cpu(const AttentionGradParams& params, const CpuWorkers& workers);
+
 }  // namespace fastattn
