@@ -272,9 +272,47 @@ def _check_tokens(tokens, what):
 
 # --- prefill -------------------------------------------------------------------
 
+def forward(params: Params, tokens, *, config: LlamaConfig, attention_fn):
+  """The decoder over whole sequences, attention by ``attention_fn``.
+
+  Args:
+    params: from ``init_params``.
+    tokens: (B, P) integer token ids in [0, V).
+    config: the model shape (static).
+    attention_fn: called as ``attention_fn(q, k, v)`` with q (B, P, N, H), k
+      and v (B, P, K, H); returns (B, P, N, H): causal attention, e.g.
+      ``functools.partial(fast_attention, is_causal=True)`` or the same of
+      ``jax.nn.dot_product_attention``.
+
+  Returns:
+    ``(logits, k, v)``: logits (B, P, V) float32 (position i predicts token
+    i + 1); k and v (L, B, P, K, H) of ``config.dtype``, every layer's keys
+    (RoPE applied) and values.
+
+  Raises:
+    ValueError: tokens not a 2-D integer array, or P > ``config.max_context``.
+  """
+  tokens = jnp.asarray(tokens)
+  _check_tokens(tokens, "forward")
+  B, P = tokens.shape
+  if P > config.max_context:
+    raise ValueError(f"forward: P={P} tokens exceed max_context={config.max_context} "
+                     f"of preset {config.name!r}")
+  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  x = _embed(params, tokens)
+  ks, vs = [], []
+  for p in params["layers"]:
+    q, k, v = _attention_inputs(config, p, x, positions)
+    x = _attention_output_and_mlp(config, p, x, attention_fn(q, k, v))
+    ks.append(k)
+    vs.append(v)
+  return _logits(config, params, x), jnp.stack(ks), jnp.stack(vs)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "implementation"))
 def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None):
-  """Runs the decoder over whole prompts with causal ``fast_attention``.
+  """Runs the decoder over whole prompts with causal ``fast_attention``
+  (``forward``; its shapes, results and errors).
 
   Args:
     params: from ``init_params``.
@@ -283,30 +321,11 @@ def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None)
     implementation: passed to ``fast_attention`` (None: the platform's best).
 
   Returns:
-    ``(logits, k, v)``: logits (B, P, V) float32 (position i predicts token
-    i + 1); k and v (L, B, P, K, H) of ``config.dtype``, every layer's keys
-    (RoPE applied) and values, to be written into a KV cache at positions
-    [0, P).
-
-  Raises:
-    ValueError: tokens not a 2-D integer array, or P > ``config.max_context``.
+    ``(logits, k, v)`` as ``forward``: k and v to be written into a KV cache
+    at positions [0, P).
   """
-  tokens = jnp.asarray(tokens)
-  _check_tokens(tokens, "prefill")
-  B, P = tokens.shape
-  if P > config.max_context:
-    raise ValueError(f"prefill: P={P} prompt tokens exceed max_context={config.max_context} "
-                     f"of preset {config.name!r}")
-  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  x = _embed(params, tokens)
-  ks, vs = [], []
-  for p in params["layers"]:
-    q, k, v = _attention_inputs(config, p, x, positions)
-    attn = fast_attention(q, k, v, is_causal=True, implementation=implementation)
-    x = _attention_output_and_mlp(config, p, x, attn)
-    ks.append(k)
-    vs.append(v)
-  return _logits(config, params, x), jnp.stack(ks), jnp.stack(vs)
+  return forward(params, tokens, config=config, attention_fn=functools.partial(
+      fast_attention, is_causal=True, implementation=implementation))
 
 
 # --- decode --------------------------------------------------------------------
