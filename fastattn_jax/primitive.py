@@ -15,7 +15,8 @@ batching (extra leading dims fold into B); lowering per platform, where a
 fused path lowers through ``custom_partitioning`` so inputs sharded along
 batch or heads run the kernel shard by shard with no all-gather. The backward
 lowers to the path's fused backward where it has one
-(``backends.BACKWARD_PATHS``), else to the reference math's VJP.
+(``backends.BACKWARD_PATHS``), else to ``reference.attention_grads``
+(FlashAttention-2's backward in jax.numpy over blocks of query rows).
 Differentiation is a ``custom_vjp`` one level up, in
 ``fastattn_jax.attention``.
 """
@@ -33,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fastattn_jax import backends
 from fastattn_jax._jax_internal import require_devices_during_lowering
-from fastattn_jax.reference import attention_reference
+from fastattn_jax.reference import attention_grads, attention_reference
 from fastattn_jax.shapes import KERNEL_DTYPES, AttentionConfig, check_operands
 
 fast_attention_p = Primitive("fast_attention")
@@ -250,14 +251,6 @@ def _partitioned(implementation: str, backward: bool):
 
 # --- lowering ----------------------------------------------------------------
 
-def reference_grads(config: AttentionConfig, q, k, v, bias, mask, q_lens, kv_lens, d_out,
-                    d_lse):
-  """(dq, dk, dv) of the reference math: the backward of paths with no fused one."""
-  forward = lambda q, k, v: attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
-  _, vjp = jax.vjp(forward, q, k, v)
-  return vjp((d_out, d_lse.astype(jnp.promote_types(q.dtype, jnp.float32))))
-
-
 def _lowering(ctx, *operands, config, platform, backward):
   requested = None if config.implementation == "auto" else config.implementation
   q_aval = ctx.avals_in[0]
@@ -272,8 +265,8 @@ def _lowering(ctx, *operands, config, platform, backward):
     else:
       fn = lambda *ops: _partitioned(implementation, backward)(config, ops)
   elif backward:
-    fn = lambda *ops: reference_grads(config, *config.split_operands(ops[:-_RESIDUALS]),
-                                      *ops[-2:])
+    fn = lambda *ops: attention_grads(config, *config.split_operands(ops[:-_RESIDUALS]),
+                                      *ops[-_RESIDUALS:])
   else:
     fn = lambda *ops: attention_reference(config, *config.split_operands(ops))
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)

@@ -1,8 +1,9 @@
 """The "xla" path: attention in plain jax.numpy, materializing the T x S scores.
 
 It defines the semantics every fused path must reproduce, serves platforms and
-dtypes the kernels do not (float64), and is what the backward pass recomputes
-(``fastattn_jax.attention``). Same math as ``jax.nn.dot_product_attention``'s
+dtypes the kernels do not (float64), and gives the gradients of fused paths
+that have no fused backward (``attention_grads``: FlashAttention-2's backward
+over blocks of query rows, in bounded memory). Same math as ``jax.nn.dot_product_attention``'s
 XLA path, except that a query row with no visible key gives zeros and an LSE
 of -inf (jax.nn gives the mean of the values there), and masked logits are
 removed by selection so a NaN in a key the row cannot see never reaches it,
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 from fastattn_jax.shapes import AttentionConfig
 
 
-def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens):
-  """Boolean (B|1, 1, T, S) mask of the index-defined visibility, or None."""
-  i = jnp.arange(T)[:, None]
+def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=None):
+  """Boolean (B|1, 1, T, S) mask of the index-defined visibility, or None;
+  with ``rows`` (R,) query row indices, that of those rows only: (B|1, 1, R, S)."""
+  i = (jnp.arange(T) if rows is None else rows)[:, None]
   j = jnp.arange(S)[None, :]
   visible = None
 
@@ -103,3 +105,103 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   lse = (m + jnp.log(l))[..., 0]  # -inf exactly where a row sees no key
   return out, jnp.transpose(lse, (0, 2, 1)).astype(acc)
 
+
+
+def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_lens, kv_lens,
+                    out, lse, d_out, d_lse, *, block_elems: int = 1 << 25):
+  """(dq, dk, dv) of ``attention_reference`` from its results, in bounded memory.
+
+  FlashAttention-2's backward (Dao 2023, Algorithm 2) in jax.numpy, over blocks
+  of query rows instead of tiles: D = rowsum(dO o O) - dLSE; per block, P =
+  exp(logits - LSE) from the saved LSE (no second softmax), dP = dO V^T, dS =
+  P (dP - D) (through the soft cap's tanh), dQ = scale dS K, and dK += scale
+  dS^T Q, dV += P^T dO summed over the blocks (and over each GQA group).
+  Each block holds B * N * rows * S logits, rows chosen so that is at most
+  ``block_elems`` (at least one row): the T x S logits exist one block at a
+  time.
+
+  Args:
+    config, query, key, value, bias, mask, q_lens, kv_lens: as
+      ``attention_reference``.
+    out: (B, T, N, H), lse: (B, T, N): its results (lse float32, -inf for
+      rows that see no key).
+    d_out, d_lse: their cotangents (d_out in out's dtype, d_lse float32).
+    block_elems: the most logits one block holds.
+
+  Returns:
+    dq, dk, dv in query's, key's and value's shapes and dtypes; rows that see
+    no key get dq = 0, keys no row sees dk = dv = 0. No gradient for the bias.
+  """
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
+  G = N // K
+  acc = jnp.promote_types(query.dtype, jnp.float32)
+  dot = lambda spec, a, b: jnp.einsum(spec, a.astype(acc), b.astype(acc),
+                                      precision=jax.lax.Precision.HIGHEST)
+  rows = max(1, min(T, block_elems // max(1, B * N * S)))
+  blocks = -(-T // rows)
+  pad = blocks * rows - T
+  if kv_lens is not None:  # keys past the length are never read, even as 0 * k
+    live = jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None]
+    key, value = jnp.where(live, key, 0), jnp.where(live, value, 0)
+  delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1) - d_lse.astype(acc)
+  # A row that saw nothing (LSE -inf) gets P = e^(x - inf) = 0, -inf logits included.
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(acc)
+
+  def padded(x, axis, value=0):
+    """x padded to blocks * rows along its T-long axis (a broadcast axis of 1 stays)."""
+    if x is None or x.shape[axis] == 1:
+      return x
+    return jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)],
+                   constant_values=value)
+
+  q_pad, do_pad, bias_pad, mask_pad = (padded(x, axis) for x, axis in (
+      (query, 1), (d_out, 1), (bias, 2), (mask, 2)))
+  lse_pad, delta_pad = padded(lse, 1, jnp.inf), padded(delta, 1)
+
+  def rows_of(x, i0, axis):
+    """Rows [i0, i0 + rows) of a padded T axis (a broadcast axis of 1 stays)."""
+    if x is None or x.shape[axis] == 1:
+      return x
+    return jax.lax.dynamic_slice_in_dim(x, i0, rows, axis)
+
+  def block(carry, index):
+    dk, dv = carry
+    i0 = index * rows
+    qb = rows_of(q_pad, i0, 1).reshape(B, rows, K, G, H)
+    dob = rows_of(do_pad, i0, 1).reshape(B, rows, K, G, H)
+    x = dot("btkgh,bskh->bkgts", qb, key) * jnp.asarray(config.scale, acc)
+    if config.softcap is not None:
+      c = jnp.asarray(config.softcap, acc)
+      t = jnp.tanh(x / c)
+      x = c * t
+    x = x.reshape(B, N, rows, S)
+    if bias is not None:
+      x = x + rows_of(bias_pad, i0, 2).astype(acc)
+    visible = visible_mask(config, T, S, q_lens, kv_lens, rows=i0 + jnp.arange(rows))
+    if mask is not None:
+      block_mask = rows_of(mask_pad, i0, 2)
+      visible = block_mask if visible is None else visible & block_mask
+    lse_b = jnp.transpose(rows_of(lse_pad, i0, 1), (0, 2, 1))[..., None]  # (B, N, rows, 1)
+    p = jnp.exp(x - lse_b)
+    if visible is not None:
+      p = jnp.where(visible, p, 0)
+    dp = dot("btkgh,bskh->bkgts", dob, value).reshape(B, N, rows, S)
+    delta_b = jnp.transpose(rows_of(delta_pad, i0, 1), (0, 2, 1))[..., None]
+    ds = p * (dp - delta_b)
+    if visible is not None:
+      ds = jnp.where(visible, ds, 0)
+    ds = ds.reshape(B, K, G, rows, S)
+    if config.softcap is not None:
+      ds = ds * (1 - t * t)
+    p = p.reshape(B, K, G, rows, S)
+    scale = jnp.asarray(config.scale, acc)
+    dq = scale * dot("bkgts,bskh->btkgh", ds, key)
+    dk = dk + scale * dot("bkgts,btkgh->bskh", ds, qb)
+    dv = dv + dot("bkgts,btkgh->bskh", p, dob)
+    return (dk, dv), dq.reshape(B, rows, N, H)
+
+  zeros = jnp.zeros((B, S, K, H), acc)
+  (dk, dv), dq = jax.lax.scan(block, (zeros, zeros), jnp.arange(blocks))
+  dq = jnp.moveaxis(dq, 0, 1).reshape(B, blocks * rows, N, H)[:, :T]
+  return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)

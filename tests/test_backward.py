@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import attention, backends, fast_attention, primitive, resolve_implementation
+from fastattn_jax import attention, backends, fast_attention, primitive, reference, resolve_implementation
 
 #: Floor of the rule, relative to the largest reference gradient: a few ulps of
 #: the dtype (the gradients are rounded to it; float32 sums rows in another
@@ -237,3 +237,32 @@ def test_every_gradient_element_is_written(name, rng, impl):
     g64 = np.asarray(g, np.float64)
     assert not np.isnan(g64).any(), f"{what}: {np.isnan(g64).sum()} elements never written"
     assert tu.max_err(g64, r) <= 20 * GRAD_ATOL[tu.dtype_name(q)] * max(np.abs(r).max(), 1)
+
+
+@pytest.mark.parametrize("name", ["combined", "lengths", "causal_t_gt_s", "bf16_combined",
+                                  "gqa4_H80", "tiny"])
+def test_blockwise_reference_backward(name, rng):
+  """``reference.attention_grads``, the backward of paths with no fused one,
+  with blocks of a few rows (T not a multiple of them), by the same rule."""
+  case = CASES[name]
+  q, k, v, d_out, bias, mask, opts = _inputs(case, rng)
+  config = attention.AttentionConfig(
+      scale=opts.get("scale", 1 / np.sqrt(case.H)), is_causal=opts.get("is_causal", False),
+      window=opts.get("local_window_size"), softcap=opts.get("logits_soft_cap"),
+      has_bias=bias is not None, has_mask=mask is not None,
+      has_q_lens="query_seq_lengths" in opts, has_kv_lens="key_value_seq_lengths" in opts,
+      implementation="xla")
+  bias4, mask4 = (None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
+                  for x in (bias, mask))
+  lens = (opts.get("query_seq_lengths"), opts.get("key_value_seq_lengths"))
+  out, lse = attention.attention_reference(config, q, k, v, bias4, mask4, *lens)
+  grads = jax.jit(functools.partial(reference.attention_grads, config,
+                                    block_elems=7 * case.B * case.N * case.S))(
+      q, k, v, bias4, mask4, *lens, out, lse, d_out, jnp.zeros_like(lse))
+  xla = _grads("xla", q, k, v, d_out, None, mask, opts) if bias is None else _grads(
+      "xla", q, k, v, d_out, bias, mask, opts)[:3]
+  ref = tu.reference64_grads(q, k, v, d_out, bias, mask, **opts)
+  for what, g, x, r in zip(("dQ", "dK", "dV"), grads, xla, ref):
+    err, err_xla = tu.max_err(g, r), tu.max_err(x, r)
+    floor = GRAD_ATOL[case.dtype] * max(float(np.abs(r).max()), 1.0)
+    assert err <= 2 * err_xla + floor, (what, err, err_xla, floor)

@@ -10,6 +10,8 @@ import pytest
 
 import fa_testutil as tu
 from fastattn_jax import backends, fast_attention, resolve_implementation
+from fastattn_jax.reference import attention_grads
+from fastattn_jax.shapes import AttentionConfig
 
 T, S = 4096, 4032  # distinct, so a dim of either size can be told apart
 B, N, K, H = 1, 2, 1, 64
@@ -85,3 +87,18 @@ def test_fused_gradient_has_no_t_by_s_buffer(name, impl):
 def test_xla_path_does_have_one(name, grad):
   """Control: the scan finds the (B, N, T, S) logits of the xla path."""
   assert _big_shapes(_compiled_hlo("xla", OPTIONS[name], grad))
+
+
+def test_blockwise_backward_holds_one_block_of_logits():
+  """The backward of paths with no fused one (``reference.attention_grads``)
+  holds B * N * rows * S logits at a time, rows set by its block budget."""
+  config = AttentionConfig(scale=0.125, is_causal=True)
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((B, T, N), jnp.float32)
+  grads = jax.jit(lambda q, k, v, out, lse, d_out, d_lse: attention_grads(
+      config, q, k, v, None, None, None, None, out, lse, d_out, d_lse,
+      block_elems=B * N * S * 256))
+  hlo = grads.lower(q, kv, kv, q, lse, q, lse).compile().as_text()
+  assert _big_shapes(hlo) == [], f"T x S-sized buffers: {_big_shapes(hlo)}"
+  assert (B, N, 256, S) in tu.hlo_shapes(hlo) or (B, K, N // K, 256, S) in tu.hlo_shapes(hlo)
