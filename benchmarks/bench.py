@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import fastattn_jax
-from fastattn_jax import backends, fast_attention, resolve_implementation
+from fastattn_jax import fast_attention, resolve_implementation
 from fastattn_jax._util import format_bytes, median_seconds
 
 SUBJECT = "fastattn"
@@ -125,7 +125,7 @@ def _forced(path: str) -> Callable[[Case], Callable]:
   return make
 
 
-def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[Competitor]:
+def competitors(platform_name: str, dtype: str) -> list[Competitor]:
   """fast_attention first, then what it is compared with on a JAX platform
   ("cpu", "gpu"), for inputs of ``dtype`` (a dtype name such as "bfloat16":
   it picks fast_attention's default path).
@@ -133,25 +133,20 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
   Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
   fast_attention forced onto the older kernel paths the GPU also runs
   ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
-  time them on the same silicon. With ``backward``, a fastattn path without
-  a fused backward (``backends.BACKWARD_PATHS``) counts as materializing the
-  logits: its gradient replays the reference math.
+  time them on the same silicon.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
-  unfused = lambda path: path == "xla" or (backward and path not in backends.BACKWARD_PATHS)
   comps = [
-      Competitor(SUBJECT, _fast, materializes_logits=unfused(fast_path)),
+      Competitor(SUBJECT, _fast, materializes_logits=fast_path == "xla"),
       Competitor("xla", _jax_nn("xla"), materializes_logits=True),
   ]
   if backend == "cuda":
     comps.append(Competitor("cudnn", _jax_nn("cudnn"), materializes_logits=False))
     if fast_path == "cuda_sm90":
-      comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"),
-                              materializes_logits=unfused("cuda_sm80")))
+      comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"), materializes_logits=False))
     if fast_path in ("cuda_sm80", "cuda_sm90"):
-      comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"),
-                              materializes_logits=unfused("cuda_sm75")))
+      comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"), materializes_logits=False))
   return comps
 
 
@@ -541,7 +536,7 @@ def main(argv=None) -> None:
   budget = (memory_budget(jax.devices()[0]) if args.memory_budget is None
             else int(args.memory_budget * 2**30))
   gpu = env["platform"] == "gpu"
-  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype, args.backward)
+  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype)
   names = [c.name for c in comps]
   cases = grid.cases(dtype, seq_lens, decode_lens)
   if args.backward:

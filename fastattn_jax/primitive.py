@@ -15,8 +15,8 @@ batching (extra leading dims fold into B); lowering per platform, where a
 fused path lowers through ``custom_partitioning`` so inputs sharded along
 batch or heads run the kernel shard by shard with no all-gather. The backward
 lowers to the path's fused backward where it has one
-(``backends.BACKWARD_PATHS``), else to ``reference.attention_grads``
-(FlashAttention-2's backward in jax.numpy over blocks of query rows).
+(``backends.BACKWARD_PATHS``), else to ``reference.attention_grads`` (the
+backward in jax.numpy over blocks of query rows, in bounded memory).
 Differentiation is a ``custom_vjp`` one level up, in
 ``fastattn_jax.attention``.
 """
@@ -266,7 +266,7 @@ def _lowering(ctx, *operands, config, platform, backward):
       fn = lambda *ops: _partitioned(implementation, backward)(config, ops)
   elif backward:
     fn = lambda *ops: attention_grads(config, *config.split_operands(ops[:-_RESIDUALS]),
-                                      *ops[-_RESIDUALS:])
+                                      *ops[-2:])  # d_out, d_lse
   else:
     fn = lambda *ops: attention_reference(config, *config.split_operands(ops))
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)

@@ -2,8 +2,8 @@
 
 It defines the semantics every fused path must reproduce, serves platforms and
 dtypes the kernels do not (float64), and gives the gradients of fused paths
-that have no fused backward (``attention_grads``: FlashAttention-2's backward
-over blocks of query rows, in bounded memory). Same math as ``jax.nn.dot_product_attention``'s
+that have no fused backward (``attention_grads``: the backward over blocks of
+query rows, in bounded memory). Same math as ``jax.nn.dot_product_attention``'s
 XLA path, except that a query row with no visible key gives zeros and an LSE
 of -inf (jax.nn gives the mean of the values there), and masked logits are
 removed by selection so a NaN in a key the row cannot see never reaches it,
@@ -108,24 +108,24 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
 
 
 def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_lens, kv_lens,
-                    out, lse, d_out, d_lse, *, block_elems: int = 1 << 25):
-  """(dq, dk, dv) of ``attention_reference`` from its results, in bounded memory.
+                    d_out, d_lse, *, block_elems: int = 1 << 25):
+  """(dq, dk, dv) of ``attention_reference``, in bounded memory.
 
-  FlashAttention-2's backward (Dao 2023, Algorithm 2) in jax.numpy, over blocks
-  of query rows instead of tiles: D = rowsum(dO o O) - dLSE; per block, P =
-  exp(logits - LSE) from the saved LSE (no second softmax), dP = dO V^T, dS =
-  P (dP - D) (through the soft cap's tanh), dQ = scale dS K, and dK += scale
-  dS^T Q, dV += P^T dO summed over the blocks (and over each GQA group).
-  Each block holds B * N * rows * S logits, rows chosen so that is at most
+  The backward of FlashAttention-2 (Dao 2023, Algorithm 2) in jax.numpy over
+  blocks of whole query rows: per block, the logits against every key, P =
+  softmax (its LSE recomputed: a block holds whole rows, so it is exact in the
+  inputs' precision, whatever a kernel's forward rounded them to), dP = dO
+  V^T, D = rowsum(P o dP) - dLSE (= rowsum(dO o O) - dLSE), dS = P (dP - D)
+  (through the soft cap's tanh), dQ = scale dS K, and dK += scale dS^T Q,
+  dV += P^T dO summed over the blocks (and over each GQA group). Each block
+  holds B * N * rows * S logits, rows chosen so that is at most
   ``block_elems`` (at least one row): the T x S logits exist one block at a
-  time.
+  time, where jax.vjp of ``attention_reference`` holds all of them at once.
 
   Args:
     config, query, key, value, bias, mask, q_lens, kv_lens: as
       ``attention_reference``.
-    out: (B, T, N, H), lse: (B, T, N): its results (lse float32, -inf for
-      rows that see no key).
-    d_out, d_lse: their cotangents (d_out in out's dtype, d_lse float32).
+    d_out: (B, T, N, H), d_lse: (B, T, N): the cotangents of its out and lse.
     block_elems: the most logits one block holds.
 
   Returns:
@@ -144,20 +144,15 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
   if kv_lens is not None:  # keys past the length are never read, even as 0 * k
     live = jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None]
     key, value = jnp.where(live, key, 0), jnp.where(live, value, 0)
-  delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1) - d_lse.astype(acc)
-  # A row that saw nothing (LSE -inf) gets P = e^(x - inf) = 0, -inf logits included.
-  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(acc)
 
-  def padded(x, axis, value=0):
+  def padded(x, axis):
     """x padded to blocks * rows along its T-long axis (a broadcast axis of 1 stays)."""
     if x is None or x.shape[axis] == 1:
       return x
-    return jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)],
-                   constant_values=value)
+    return jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
 
-  q_pad, do_pad, bias_pad, mask_pad = (padded(x, axis) for x, axis in (
-      (query, 1), (d_out, 1), (bias, 2), (mask, 2)))
-  lse_pad, delta_pad = padded(lse, 1, jnp.inf), padded(delta, 1)
+  q_pad, do_pad, dlse_pad, bias_pad, mask_pad = (padded(x, axis) for x, axis in (
+      (query, 1), (d_out, 1), (d_lse, 1), (bias, 2), (mask, 2)))
 
   def rows_of(x, i0, axis):
     """Rows [i0, i0 + rows) of a padded T axis (a broadcast axis of 1 stays)."""
@@ -182,13 +177,20 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
     if mask is not None:
       block_mask = rows_of(mask_pad, i0, 2)
       visible = block_mask if visible is None else visible & block_mask
-    lse_b = jnp.transpose(rows_of(lse_pad, i0, 1), (0, 2, 1))[..., None]  # (B, N, rows, 1)
-    p = jnp.exp(x - lse_b)
+    # The softmax as attention_reference computes it: hidden logits selected away.
     if visible is not None:
-      p = jnp.where(visible, p, 0)
+      x = jnp.where(visible, x, jnp.finfo(acc).min)
+    m = jnp.max(x, axis=-1, keepdims=True, initial=jnp.finfo(acc).min)
+    if visible is not None:
+      m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)
+      p = jnp.where(visible, jnp.exp(jnp.where(visible, x, m) - m), 0)
+    else:
+      p = jnp.exp(x - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0, 1, l)
     dp = dot("btkgh,bskh->bkgts", dob, value).reshape(B, N, rows, S)
-    delta_b = jnp.transpose(rows_of(delta_pad, i0, 1), (0, 2, 1))[..., None]
-    ds = p * (dp - delta_b)
+    d_lse_b = jnp.transpose(rows_of(dlse_pad, i0, 1), (0, 2, 1))[..., None].astype(acc)
+    ds = p * (dp - (jnp.sum(p * dp, axis=-1, keepdims=True) - d_lse_b))
     if visible is not None:
       ds = jnp.where(visible, ds, 0)
     ds = ds.reshape(B, K, G, rows, S)

@@ -29,6 +29,13 @@ from fastattn_jax import attention, backends, fast_attention, primitive, referen
 GRAD_ATOL = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}
 
 
+def _floor(impl, name) -> float:
+  """The rule's floor for ``name`` inputs on ``impl``: that of the dtype the
+  forward multiplies in where it is narrower (the CUDA kernels round float32
+  to float16, and the backward starts from their out and LSE)."""
+  return max(GRAD_ATOL[name], GRAD_ATOL[tu.computed_dtype(impl, name)])
+
+
 def fused_backward(impl, dtype, H) -> bool:
   return resolve_implementation(impl, dtype=dtype, head_dim=H) in backends.BACKWARD_PATHS
 
@@ -116,7 +123,7 @@ def test_gradients_by_the_flash_attention_rule(name, rng, impl):
     assert g.shape == like.shape and g.dtype == like.dtype, (what, g.shape, g.dtype)
     r = r.reshape(like.shape)
     err, err_xla = tu.max_err(g, r), tu.max_err(x, r)
-    floor = GRAD_ATOL[case.dtype] * max(float(np.abs(r).max()), 1.0)
+    floor = _floor(impl, case.dtype) * max(float(np.abs(r).max()), 1.0)
     assert err <= 2 * err_xla + floor, (
         f"{what}: max|ours - ref64| = {err:.3g} > 2 * max|xla - ref64| ({err_xla:.3g}) "
         f"+ {floor:.3g}")
@@ -165,7 +172,7 @@ def test_gradient_through_the_lse(rng, impl):
   for what, g, x, r in zip(("dQ", "dK", "dV"), ours, xla, ref64):
     r = np.asarray(r)
     err, err_xla = tu.max_err(g, r), tu.max_err(x, r)
-    assert err <= 2 * err_xla + GRAD_ATOL["float32"] * np.abs(r).max(), (what, err, err_xla)
+    assert err <= 2 * err_xla + _floor(impl, "float32") * np.abs(r).max(), (what, err, err_xla)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -255,10 +262,9 @@ def test_blockwise_reference_backward(name, rng):
   bias4, mask4 = (None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
                   for x in (bias, mask))
   lens = (opts.get("query_seq_lengths"), opts.get("key_value_seq_lengths"))
-  out, lse = attention.attention_reference(config, q, k, v, bias4, mask4, *lens)
   grads = jax.jit(functools.partial(reference.attention_grads, config,
                                     block_elems=7 * case.B * case.N * case.S))(
-      q, k, v, bias4, mask4, *lens, out, lse, d_out, jnp.zeros_like(lse))
+      q, k, v, bias4, mask4, *lens, d_out, jnp.zeros(q.shape[:-1], jnp.float32))
   xla = _grads("xla", q, k, v, d_out, None, mask, opts) if bias is None else _grads(
       "xla", q, k, v, d_out, bias, mask, opts)[:3]
   ref = tu.reference64_grads(q, k, v, d_out, bias, mask, **opts)
