@@ -19,7 +19,9 @@ def test_command_line_trains_in_lockstep_with_jax_nn(capsys):
 
 def test_a_wrong_key_gradient_breaks_the_lockstep():
   """Keys that get no gradient (as if dK were dropped): the losses part from
-  jax.nn's within a few steps, by far more than the check's 1e-3."""
+  jax.nn's within a few steps, by ten times more than fast_attention's do
+  (1e-6 apart on the CPU; 2e-4 on an H100, whose float32 products run in TF32,
+  against 1e-2 dropping dK) and by more than the script's 1e-3."""
   config = llama.preset("tiny", dtype="float32", vocab_size=256, max_context=64, num_layers=2)
   data = train.corpus()
   batches = train.windows(data, 2, 64, 6, seed=0)
@@ -31,4 +33,4 @@ def test_a_wrong_key_gradient_breaks_the_lockstep():
                      functools.partial(jax.nn.dot_product_attention, is_causal=True))]
   good = np.max(np.abs(runs[0].losses - runs[2].losses))
   bad = np.max(np.abs(runs[1].losses - runs[2].losses))
-  assert good < 1e-4 and bad > 1e-2, (good, bad)
+  assert good < 1e-3 and bad > max(10 * good, 1e-3), (good, bad)
