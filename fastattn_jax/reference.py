@@ -47,6 +47,46 @@ def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=
   return visible
 
 
+def _probabilities(config: AttentionConfig, q, key, bias, visible):
+  """The softmax of query rows q (B, R, K, G, H) over key (B, S, K, H), heads
+  as (K, G): query head n = kh * G + g reads key/value head kh.
+
+  Returns ``(p, m, l, t)``: p (B, N, R, S) the probabilities (0 where
+  ``visible``, (B|1, N|1, R, S) or None, is False), m and l (B, N, R, 1) the
+  row maxima (0 for rows that see nothing) and sums, and t the soft cap's
+  tanh (B, K, G, R, S) or None.
+  """
+  B, R, K, G, _ = q.shape
+  S = key.shape[1]
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=acc,
+                      precision=jax.lax.Precision.HIGHEST)
+  logits = logits * jnp.asarray(config.scale, acc)
+  t = None
+  if config.softcap is not None:
+    c = jnp.asarray(config.softcap, acc)
+    t = jnp.tanh(logits / c)
+    logits = c * t
+  logits = logits.reshape(B, K * G, R, S)
+  if bias is not None:
+    logits = logits + bias.astype(acc)
+  # Hidden logits are selected away, never replaced by -inf: no infinity is
+  # created (``jax.debug_infs`` stays quiet) and a NaN in a logit the row
+  # cannot see never reaches its sums.
+  if visible is not None:
+    logits = jnp.where(visible, logits, jnp.finfo(acc).min)
+  m = jax.lax.stop_gradient(
+      jnp.max(logits, axis=-1, keepdims=True, initial=jnp.finfo(acc).min))  # S = 0 too
+  if visible is not None:
+    m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)  # rows that see nothing
+    p = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0)
+  else:
+    p = jnp.exp(logits - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  l_safe = jnp.where(l == 0, 1, l)  # empty rows stay NaN-free; a NaN l stays NaN
+  return p / l_safe, m, l, t
+
+
 def attention_reference(config: AttentionConfig, query, key, value, bias=None,
                         mask=None, q_lens=None, kv_lens=None):
   """Attention by the definition, on 4-D inputs.
@@ -67,35 +107,11 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   S, K = key.shape[1], key.shape[2]
   G = N // K
   acc = jnp.promote_types(query.dtype, jnp.float32)
-  # Heads as (K, G): query head n = kh * G + g reads key/value head kh.
-  q = query.reshape(B, T, K, G, H)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=acc,
-                      precision=jax.lax.Precision.HIGHEST)
-  logits = logits * jnp.asarray(config.scale, acc)
-  if config.softcap is not None:
-    c = jnp.asarray(config.softcap, acc)
-    logits = c * jnp.tanh(logits / c)
-  logits = logits.reshape(B, N, T, S)
-  if bias is not None:
-    logits = logits + bias.astype(acc)
   visible = visible_mask(config, T, S, q_lens, kv_lens)
   if mask is not None:
     visible = mask if visible is None else visible & mask
-  # Hidden logits are selected away, never replaced by -inf: no infinity is
-  # created (``jax.debug_infs`` stays quiet) and a NaN in a logit the row
-  # cannot see never reaches its sums.
-  if visible is not None:
-    logits = jnp.where(visible, logits, jnp.finfo(acc).min)
-  m = jax.lax.stop_gradient(
-      jnp.max(logits, axis=-1, keepdims=True, initial=jnp.finfo(acc).min))  # S = 0 too
-  if visible is not None:
-    m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)  # rows that see nothing
-    p = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0)
-  else:
-    p = jnp.exp(logits - m)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  l_safe = jnp.where(l == 0, 1, l)  # empty rows stay NaN-free; a NaN l stays NaN
-  p = p / l_safe
+  # Heads as (K, G): query head n = kh * G + g reads key/value head kh.
+  p, m, l, _ = _probabilities(config, query.reshape(B, T, K, G, H), key, bias, visible)
   if kv_lens is not None:  # keys past the length are never read, even as 0 * v
     value = jnp.where(jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None],
                       value, 0)
@@ -104,7 +120,6 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   out = out.reshape(B, T, N, H).astype(query.dtype)
   lse = (m + jnp.log(l))[..., 0]  # -inf exactly where a row sees no key
   return out, jnp.transpose(lse, (0, 2, 1)).astype(acc)
-
 
 
 def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_lens, kv_lens,
@@ -165,36 +180,18 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
     i0 = index * rows
     qb = rows_of(q_pad, i0, 1).reshape(B, rows, K, G, H)
     dob = rows_of(do_pad, i0, 1).reshape(B, rows, K, G, H)
-    x = dot("btkgh,bskh->bkgts", qb, key) * jnp.asarray(config.scale, acc)
-    if config.softcap is not None:
-      c = jnp.asarray(config.softcap, acc)
-      t = jnp.tanh(x / c)
-      x = c * t
-    x = x.reshape(B, N, rows, S)
-    if bias is not None:
-      x = x + rows_of(bias_pad, i0, 2).astype(acc)
     visible = visible_mask(config, T, S, q_lens, kv_lens, rows=i0 + jnp.arange(rows))
     if mask is not None:
       block_mask = rows_of(mask_pad, i0, 2)
       visible = block_mask if visible is None else visible & block_mask
-    # The softmax as attention_reference computes it: hidden logits selected away.
-    if visible is not None:
-      x = jnp.where(visible, x, jnp.finfo(acc).min)
-    m = jnp.max(x, axis=-1, keepdims=True, initial=jnp.finfo(acc).min)
-    if visible is not None:
-      m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)
-      p = jnp.where(visible, jnp.exp(jnp.where(visible, x, m) - m), 0)
-    else:
-      p = jnp.exp(x - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0, 1, l)
+    p, _, _, t = _probabilities(config, qb, key, rows_of(bias_pad, i0, 2), visible)
     dp = dot("btkgh,bskh->bkgts", dob, value).reshape(B, N, rows, S)
     d_lse_b = jnp.transpose(rows_of(dlse_pad, i0, 1), (0, 2, 1))[..., None].astype(acc)
     ds = p * (dp - (jnp.sum(p * dp, axis=-1, keepdims=True) - d_lse_b))
     if visible is not None:
       ds = jnp.where(visible, ds, 0)
     ds = ds.reshape(B, K, G, rows, S)
-    if config.softcap is not None:
+    if t is not None:
       ds = ds * (1 - t * t)
     p = p.reshape(B, K, G, rows, S)
     scale = jnp.asarray(config.scale, acc)

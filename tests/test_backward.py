@@ -265,8 +265,7 @@ def test_blockwise_reference_backward(name, rng):
   grads = jax.jit(functools.partial(reference.attention_grads, config,
                                     block_elems=7 * case.B * case.N * case.S))(
       q, k, v, bias4, mask4, *lens, d_out, jnp.zeros(q.shape[:-1], jnp.float32))
-  xla = _grads("xla", q, k, v, d_out, None, mask, opts) if bias is None else _grads(
-      "xla", q, k, v, d_out, bias, mask, opts)[:3]
+  xla = _grads("xla", q, k, v, d_out, bias, mask, opts)[:3]
   ref = tu.reference64_grads(q, k, v, d_out, bias, mask, **opts)
   for what, g, x, r in zip(("dQ", "dK", "dV"), grads, xla, ref):
     err, err_xla = tu.max_err(g, r), tu.max_err(x, r)
