@@ -35,7 +35,8 @@ nb::dict VariantDict(const cu::KernelVariant& v) {
                      {"dtype", v.dtype},
                      {"out_dtype", v.out_dtype},
                      {"extras", v.extras},
-                     {"decode_rows", v.decode_rows}});
+                     {"decode_rows", v.decode_rows},
+                     {"backward", v.backward}});
   d["describe"] = v.Describe();
   return d;
 }
@@ -59,6 +60,11 @@ NB_MODULE(_ffi, m) {
     stages["initialize"] = Capsule(AttentionCudaInitialize);
     stages["execute"] = Capsule(AttentionCudaExecute);
     cuda["fastattn_attention_cuda"] = stages;
+    nb::dict backward;
+    backward["instantiate"] = Capsule(AttentionCudaInstantiate);
+    backward["initialize"] = Capsule(AttentionCudaBackwardInitialize);
+    backward["execute"] = Capsule(AttentionCudaBackwardExecute);
+    cuda["fastattn_attention_cuda_backward"] = backward;
     targets["cpu"] = cpu;
     targets["CUDA"] = cuda;
     return targets;
@@ -114,10 +120,12 @@ NB_MODULE(_ffi, m) {
   m.def("cuda_plan_call",
         [](int kernel_sm, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int dtype, bool bias, bool mask, bool q_lens, float scale, float softcap,
-           int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right) {
+           int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right,
+           bool backward) {
           cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, q_lens,
                           fa_make_rules(scale, softcap, causal, end_aligned, window_left,
-                                        window_right)};
+                                        window_right),
+                          backward};
           cu::CallPlan plan;
           if (std::string why = cu::PlanCall(kernel_sm, c, &plan); !why.empty()) {
             throw nb::value_error(why.c_str());
@@ -133,8 +141,9 @@ NB_MODULE(_ffi, m) {
         nb::arg("K"), nb::arg("H"), nb::arg("dtype"), nb::arg("bias"), nb::arg("mask"),
         nb::arg("q_lens"), nb::arg("scale"), nb::arg("softcap"), nb::arg("causal"),
         nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
-        "The variant and operand layout kernel kernel_sm serves a call with; ValueError "
-        "names why it cannot.");
+        nb::arg("backward") = false,
+        "The variant and operand layout kernel kernel_sm serves a call (or its backward) "
+        "with; ValueError names why it cannot.");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int arch, int multiprocessors, int blocks_per_sm) {

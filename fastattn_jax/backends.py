@@ -32,8 +32,7 @@ CPU_TARGET = "fastattn_attention_cpu"
 CPU_BACKWARD_TARGET = "fastattn_attention_cpu_backward"
 #: Fused paths built into this package: implementation name -> JAX platform.
 FUSED_PATHS = {"cpu": "cpu", **{name: "cuda" for name in cuda.IMPLEMENTATIONS}}
-#: Fused paths with a fused backward; the others differentiate by the reference math.
-BACKWARD_PATHS = ("cpu",)
+
 #: Paths that need no kernel of ours.
 OTHER_PATHS = ("xla", "cudnn")
 
@@ -160,13 +159,31 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
       fold_heads=np.int64(0))
 
 
+def fused_backward(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
+                   bias: bool = False, mask: bool = False) -> bool:
+  """Whether ``implementation`` has a fused backward for a call: always on the
+  CPU; on the CUDA paths where the owner plans backward kernels for it
+  (``cuda.plan(..., backward=True)``: sm80 and newer, H <= 128, no bias, mask or
+  soft cap). Elsewhere the gradients come from ``reference.attention_grads``."""
+  if implementation == "cpu":
+    return True
+  if implementation not in cuda.IMPLEMENTATIONS:
+    return False
+  try:
+    cuda.plan(implementation, config, q_shape, k_shape, dtype, bias, mask, backward=True)
+  except ValueError:
+    return False
+  return True
+
+
 def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, bias, mask,
                         q_lens, kv_lens, out, lse, d_out, d_lse):
-  """Runs the fused backward of ``implementation`` (one of ``BACKWARD_PATHS``): the
-  gradients (dq, dk, dv) of the call ``fused_call`` ran, from its out (B, T, N, H) and
-  lse (B, T, N) and their cotangents d_out and d_lse (float32)."""
-  if implementation not in BACKWARD_PATHS:
-    raise ValueError(f"{implementation!r} has no fused backward")
+  """Runs the fused backward of ``implementation`` (where ``fused_backward``):
+  the gradients (dq, dk, dv) of the call ``fused_call`` ran, from its out (B, T,
+  N, H) and lse (B, T, N) and their cotangents d_out and d_lse (float32)."""
+  if implementation in cuda.IMPLEMENTATIONS:
+    return cuda.call_backward(implementation, config, rule_attrs(config), q, k, v, q_lens,
+                              kv_lens, out, lse, d_out, d_lse)
   return jax.ffi.ffi_call(CPU_BACKWARD_TARGET, tuple(
       jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))(
           *_cpu_operands(q, k, v, bias, mask, q_lens, kv_lens), out, lse, d_out, d_lse,

@@ -30,8 +30,10 @@ import numpy as np
 from fastattn_jax import _ffi
 from fastattn_jax.shapes import AttentionConfig
 
-#: The one CUDA target: every kernel, variant chosen by the lowering.
+#: The CUDA targets: every forward kernel, and the backward kernels; the
+#: variant chosen by the lowering.
 TARGET = "fastattn_attention_cuda"
+BACKWARD_TARGET = "fastattn_attention_cuda_backward"
 _LIMITS = _ffi.cuda_limits()
 #: Largest head dim of the CUDA kernels.
 MAX_HEAD_DIM = _LIMITS["max_head_dim"]
@@ -129,12 +131,15 @@ def operand_dtype(implementation: str, dtype) -> str:
 
 
 def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
-         bias: bool = False, mask: bool = False, q_lens: bool = False) -> dict:
-  """How ``implementation`` serves a call: the owner's ``CallPlan`` as a dict
-  (variant key and fields, operand dtype code, row elements, fold_heads).
+         bias: bool = False, mask: bool = False, q_lens: bool = False,
+         backward: bool = False) -> dict:
+  """How ``implementation`` serves a call (with ``backward``, its gradients):
+  the owner's ``CallPlan`` as a dict (variant key and fields, operand dtype
+  code, row elements, fold_heads).
 
   Raises:
-    ValueError: the kernels cannot serve the call (e.g. H > 256), saying why.
+    ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
+      H > 128, a bias, mask or soft cap, or a kernel before sm80), saying why.
   """
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
@@ -142,7 +147,7 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
-      config.end_aligned, left, right)
+      config.end_aligned, left, right, backward)
 
 
 def kernel_shape(plan_: dict, q_shape, k_shape) -> tuple[int, ...]:
@@ -198,6 +203,33 @@ def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bia
           empty(jnp.int32) if kv_lens is None else kv_lens,
           **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(p["fold_heads"]))
   return out[..., :H], lse
+
+
+def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, k, v,
+                  q_lens, kv_lens, out, lse, d_out, d_lse):
+  """Runs the backward kernels ``implementation`` plans for the call; returns
+  (dq, dk, dv) in q's, k's and v's shapes and dtypes.
+
+  D = rowsum(dO o O) - dLSE is reduced here, by XLA (B, T, N float32); q, k,
+  v and d_out go to the plan's operand dtype and rows as ``call`` sends them.
+  The kernels take no bias, mask or soft cap (``plan`` raises on them).
+  """
+  B, T, N, H = q.shape
+  p = plan(implementation, config, q.shape, k.shape, q.dtype, q_lens=q_lens is not None,
+           backward=True)
+  dtypes = (q.dtype, k.dtype, v.dtype)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  operand = jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]])
+  q, k, v, d_out = (x.astype(operand) for x in (q, k, v, d_out))
+  if p["row_elements"] != H:
+    pad = [(0, 0)] * 3 + [(0, p["row_elements"] - H)]
+    q, k, v, d_out = (jnp.pad(x, pad) for x in (q, k, v, d_out))
+  empty = jnp.zeros((0,), jnp.int32)
+  grads = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(
+      jax.ShapeDtypeStruct(x.shape, dtypes[0]) for x in (q, k, v)))(
+          q, k, v, empty if q_lens is None else q_lens, empty if kv_lens is None else kv_lens,
+          d_out, lse, delta, **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
+  return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 
 
 # --- compiling ahead of time ---------------------------------------------------------

@@ -15,7 +15,7 @@ batching (extra leading dims fold into B); lowering per platform, where a
 fused path lowers through ``custom_partitioning`` so inputs sharded along
 batch or heads run the kernel shard by shard with no all-gather. The backward
 lowers to the path's fused backward where it has one
-(``backends.BACKWARD_PATHS``), else to ``reference.attention_grads`` (the
+(``backends.fused_backward``), else to ``reference.attention_grads`` (the
 backward in jax.numpy over blocks of query rows, in bounded memory).
 Differentiation is a ``custom_vjp`` one level up, in
 ``fastattn_jax.attention``.
@@ -257,8 +257,12 @@ def _lowering(ctx, *operands, config, platform, backward):
   implementation = backends.resolve_implementation(
       requested, backend=platform, dtype=q_aval.dtype, head_dim=q_aval.shape[-1])
   backends.log_path_once(implementation, platform)
-  fused = (implementation in backends.BACKWARD_PATHS if backward
-           else implementation in backends.FUSED_PATHS)
+  if backward:
+    k_aval = ctx.avals_in[1]
+    fused = backends.fused_backward(implementation, config, q_aval.shape, k_aval.shape,
+                                    q_aval.dtype, config.has_bias, config.has_mask)
+  else:
+    fused = implementation in backends.FUSED_PATHS
   if fused:
     if getattr(ctx.module_context.axis_context, "num_devices", None) == 1:
       fn = lambda *ops: _call(implementation, backward, config, ops)

@@ -1,5 +1,6 @@
-"""Gradients of ``fast_attention`` (the fused backward where the path has one,
-``backends.BACKWARD_PATHS``; the reference math's VJP elsewhere) against the
+"""Gradients of ``fast_attention`` (the fused backward where the path has one
+for the call, ``backends.fused_backward``; ``reference.attention_grads``
+elsewhere) against the
 backward written out in float64 (``fa_testutil.reference64_grads``).
 
 The FlashAttention-2 rule, per gradient (dQ, dK, dV, dBias):
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import attention, backends, fast_attention, primitive, reference, resolve_implementation
+from fastattn_jax import (attention, backends, cuda, fast_attention, primitive, reference,
+                          resolve_implementation)
 
 #: Floor of the rule, relative to the largest reference gradient: a few ulps of
 #: the dtype (the gradients are rounded to it; float32 sums rows in another
@@ -36,8 +38,11 @@ def _floor(impl, name) -> float:
   return max(GRAD_ATOL[name], GRAD_ATOL[tu.computed_dtype(impl, name)])
 
 
-def fused_backward(impl, dtype, H) -> bool:
-  return resolve_implementation(impl, dtype=dtype, head_dim=H) in backends.BACKWARD_PATHS
+def fused_backward(impl, q, k, **opts) -> bool:
+  """Whether the path ``impl`` resolves to has a fused backward for the call."""
+  path = resolve_implementation(impl, dtype=q.dtype, head_dim=q.shape[-1])
+  config = attention.AttentionConfig(scale=q.shape[-1] ** -0.5, **opts)
+  return backends.fused_backward(path, config, q.shape, k.shape, q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +184,7 @@ def test_gradient_through_the_lse(rng, impl):
 def test_fused_backward_is_deterministic(dtype, rng, impl):
   """Two runs give the same bits (no atomics, a fixed order of every sum)."""
   q, k, v = tu.qkv(rng, 2, 300, 333, 8, 2, 64, dtype=tu.DTYPES[dtype])
-  if not fused_backward(impl, q.dtype, 64):
+  if not fused_backward(impl, q, k, is_causal=True):
     pytest.skip(f"{resolve_implementation(impl, dtype=q.dtype, head_dim=64)!r} has no fused "
                 "backward (it differentiates the reference math)")
   d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
@@ -214,8 +219,13 @@ def test_every_gradient_element_is_written(name, rng, impl):
           for k_, v_ in spec.pop("opts", {}).items()}
   dtype = tu.DTYPES[spec.pop("dtype", "float32")]
   B = spec.pop("B")
+  if impl in cuda.IMPLEMENTATIONS:
+    # As in test_poison.py: shapes and dtypes the kernels take as they are, so
+    # that their results are the call's (no padding or conversion after them).
+    spec["H"] = -(-spec["H"] // cuda.ROW_ALIGN) * cuda.ROW_ALIGN
+    dtype = tu.DTYPES[cuda.operand_dtype(impl, dtype)]
   q, k, v = tu.qkv(rng, B, dtype=dtype, **spec)
-  if not fused_backward(impl, q.dtype, q.shape[-1]):
+  if not fused_backward(impl, q, k):
     pytest.skip("the path has no fused backward: no kernel writes the gradients")
   d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
   config = attention.AttentionConfig(

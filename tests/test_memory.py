@@ -75,9 +75,14 @@ def test_fused_path_has_no_t_by_s_buffer(name, impl):
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_fused_gradient_has_no_t_by_s_buffer(name, impl):
-  path = resolve_implementation(impl, dtype=_fused_dtype(impl), head_dim=H)
-  if path not in backends.BACKWARD_PATHS:
-    pytest.skip(f"{path!r} has no fused backward (its gradient replays the reference math)")
+  dtype = _fused_dtype(impl)
+  path = resolve_implementation(impl, dtype=dtype, head_dim=H)
+  opts = OPTIONS[name]
+  config = AttentionConfig(scale=H ** -0.5, softcap=opts.get("logits_soft_cap"))
+  if not backends.fused_backward(path, config, (B, T, N, H), (B, S, K, H), dtype,
+                                 "bias" in opts, "mask" in opts):
+    pytest.skip(f"{path!r} has no fused backward for this call (its gradient is "
+                "reference.attention_grads, tested below)")
   hlo = _compiled_hlo(impl, OPTIONS[name], grad=True)
   assert _big_shapes(hlo) == [], f"T x S-sized buffers: {_big_shapes(hlo)}"
 

@@ -55,7 +55,8 @@ std::vector<std::string> Options(const KernelVariant& v) {
 // Everything a cached module depends on; the file name is its hash and the
 // file repeats it in full, so a hash collision reads as a miss.
 std::string CacheKey(const KernelVariant& v, const std::string& arch, const std::string& nvrtc) {
-  std::string key = "fastattn_jax CUDA kernel\narch=" + arch + "\nnvrtc=" + nvrtc + "\noptions=";
+  std::string key = "fastattn_jax CUDA kernel\narch=" + arch + "\nnvrtc=" + nvrtc +
+                    "\nsource=" + v.SourceFile() + "\noptions=";
   for (const std::string& o : Options(v)) key += o + " ";
   key += "\nsources=";
   uint64_t h = Fnv1a("");
@@ -254,10 +255,16 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     if (auto rc = d.cuModuleLoadData(&module, compiled.cubin.data())) {
       return DriverError(d, rc, "cuModuleLoadData");
     }
-    if (auto rc = d.cuModuleGetFunction(&kernel->function, module, "fa_forward")) {
-      return DriverError(d, rc, "cuModuleGetFunction(fa_forward)");
+    const char* main = v.backward ? "fa_backward_dkdv" : "fa_forward";
+    if (auto rc = d.cuModuleGetFunction(&kernel->function, module, main)) {
+      return DriverError(d, rc, v.backward ? "cuModuleGetFunction(fa_backward_dkdv)"
+                                           : "cuModuleGetFunction(fa_forward)");
     }
-    if (!v.decode_rows) {
+    if (v.backward) {
+      if (auto rc = d.cuModuleGetFunction(&kernel->dq, module, "fa_backward_dq")) {
+        return DriverError(d, rc, "cuModuleGetFunction(fa_backward_dq)");
+      }
+    } else if (!v.decode_rows) {
       if (auto rc = d.cuModuleGetFunction(&kernel->merge, module, "fa_merge")) {
         return DriverError(d, rc, "cuModuleGetFunction(fa_merge)");
       }
@@ -274,7 +281,9 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     if (auto rc = d.cuMemcpyDtoH(&params_bytes, global, sizeof(int))) {
       return DriverError(d, rc, "cuMemcpyDtoH(fa_params_bytes)");
     }
-    const size_t host_bytes = v.decode_rows ? sizeof(FaDecodeParams) : sizeof(FaParams);
+    const size_t host_bytes = v.backward      ? sizeof(FaGradParams)
+                            : v.decode_rows ? sizeof(FaDecodeParams)
+                                            : sizeof(FaParams);
     if (static_cast<size_t>(params_bytes) != host_bytes) {
       return v.Describe() + ": the kernel's parameters take " + std::to_string(params_bytes) +
              " bytes, the host's " + std::to_string(host_bytes);
@@ -287,9 +296,12 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     // Needed above 48 KB of static plus dynamic shared memory (the decode
     // kernel has both); harmless below.
     if (kernel->tile.smem_bytes > 0) {
-      if (auto rc = d.cuFuncSetAttribute(kernel->function, kFuncAttrMaxDynamicSharedSizeBytes,
-                                         kernel->tile.smem_bytes)) {
-        return DriverError(d, rc, "cuFuncSetAttribute(max dynamic shared memory)");
+      for (CUfunction f : {kernel->function, kernel->dq}) {
+        if (!f) continue;
+        if (auto rc = d.cuFuncSetAttribute(f, kFuncAttrMaxDynamicSharedSizeBytes,
+                                           kernel->tile.smem_bytes)) {
+          return DriverError(d, rc, "cuFuncSetAttribute(max dynamic shared memory)");
+        }
       }
     }
     if (auto rc = d.cuOccupancyMaxActiveBlocksPerMultiprocessor(

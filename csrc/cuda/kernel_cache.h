@@ -31,8 +31,9 @@ bool GetCompiledKernel(const KernelVariant& variant, const std::string& arch,
 
 // A kernel loaded into a CUDA context, with what its launches need.
 struct LoadedKernel {
-  CUfunction function = nullptr;  // fa_forward
+  CUfunction function = nullptr;  // fa_forward; backward variants: fa_backward_dkdv
   CUfunction merge = nullptr;     // the forward kernels' split-KV merge, fa_merge
+  CUfunction dq = nullptr;        // backward variants: fa_backward_dq
   KernelVariant variant;
   int arch = 0;             // of the device: 900 for compute capability 9.0
   FaTile tile{};            // variant.Tile(arch): Br, Bc, threads, shared memory

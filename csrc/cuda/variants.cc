@@ -31,6 +31,10 @@ int64_t CeilDiv(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 std::string KernelVariant::Describe() const {
   const std::string types = std::string(DtypeName(dtype)) + "->" + DtypeName(out_dtype);
+  if (backward) {
+    return "backward sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " +
+           types;
+  }
   if (decode_rows) {
     return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
            " H=" + std::to_string(head_dim) + " " + types;
@@ -49,6 +53,14 @@ std::string KernelVariant::Check() const {
   if (dtype != kF16 && dtype != kBF16) return "dtype must be f16 or bf16";
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
+  if (backward) {
+    if (backward != 1 || kernel_sm != 80 || extras || decode_rows ||
+        head_dim > kFaMaxBackwardHeadDim) {
+      return "the backward kernels are built for sm 80, without extras, up to H=" +
+             std::to_string(kFaMaxBackwardHeadDim);
+    }
+    return "";
+  }
   if (decode_rows) {
     if (decode_rows != fa_decode_rows(decode_rows)) return "decode_rows must be 1, 2, 4 or 8";
     if ((kernel_sm != 75 && kernel_sm != 80) || extras) {
@@ -64,7 +76,8 @@ std::string KernelVariant::Check() const {
 }
 
 std::string KernelVariant::SourceFile() const {
-  return decode_rows ? "attention_decode.cu"
+  return backward ? "attention_backward.cu"
+       : decode_rows ? "attention_decode.cu"
        : kernel_sm == 70 ? "attention_volta.cu"
        : kernel_sm == 90 ? "attention_wgmma.cu"
                          : "attention_mma16.cu";
@@ -81,13 +94,15 @@ std::vector<std::string> KernelVariant::Defines() const {
 }
 
 FaTile KernelVariant::Tile(int arch) const {
-  return decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
+  return backward      ? fa_backward_tile(head_dim)
+       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
                      : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
 }
 
 int64_t KernelVariant::Key() const {
-  return ((((int64_t{kernel_sm} * 1024 + head_dim) * 4 + dtype) * 4 + out_dtype) * 2 + extras) *
-             16 + decode_rows;
+  // backward above the other fields: the forward variants keep their keys.
+  return (((((int64_t{backward} * 128 + kernel_sm) * 1024 + head_dim) * 4 + dtype) * 4 +
+           out_dtype) * 2 + extras) * 16 + decode_rows;
 }
 
 KernelVariant KernelVariant::FromKey(int64_t key) {
@@ -101,7 +116,9 @@ KernelVariant KernelVariant::FromKey(int64_t key) {
   v.dtype = static_cast<int>(key % 4);
   key /= 4;
   v.head_dim = static_cast<int>(key % 1024);
-  v.kernel_sm = static_cast<int>(key / 1024);
+  key /= 1024;
+  v.kernel_sm = static_cast<int>(key % 128);
+  v.backward = static_cast<int>(key / 128);
   return v;
 }
 
@@ -116,6 +133,25 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   if (c.K < 1 || c.N % c.K != 0) return "N must be a multiple of K";
   *plan = CallPlan{};
   const int64_t G = c.N / c.K;
+  if (c.backward) {
+    const FaRules& r = c.rules;
+    if (kernel_sm < 80) return "no backward kernel for sm" + std::to_string(kernel_sm);
+    if (c.bias || c.mask || r.softcap > 0 || !(r.scale > 0)) {
+      return "the backward kernels take no bias, mask or soft cap, and scale > 0";
+    }
+    plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
+    KernelVariant& v = plan->variant;
+    v.backward = 1;
+    v.kernel_sm = 80;
+    v.head_dim = fa_kernel_head_dim(80, plan->row_elements);
+    if (v.head_dim > kFaMaxBackwardHeadDim) {
+      return "the backward kernels take head dims up to " +
+             std::to_string(kFaMaxBackwardHeadDim) + ", got H=" + std::to_string(c.H);
+    }
+    v.dtype = plan->operand_dtype = OperandDtype(80, c.dtype);
+    v.out_dtype = c.dtype;
+    return "";
+  }
   const int in_dtype = c.dtype == kBF16 ? kBF16 : kF16;
   plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
   KernelVariant& v = plan->variant;
@@ -170,7 +206,12 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
   l.tile = v.Tile(arch);
   const int64_t wave = int64_t{multiprocessors} * blocks_per_sm;
   const int64_t rows = l.tile.block_m;
-  if (v.decode_rows) {
+  if (v.backward) {
+    FaOperands dims{};
+    dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
+    l.units = fa_forward_units(dims, l.tile.block_m);
+    l.blocks = CeilDiv(S, l.tile.block_n) * K * B;
+  } else if (v.decode_rows) {
     // The lean partition of the B * K heads' key steps (at most ceil(S /
     // block_n) each, at least one), over `blocks` blocks: the count with the
     // shortest modeled time, blocks running in ceil(blocks / wave) waves of
@@ -271,6 +312,15 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
           v.dtype = OperandDtype(kernel_sm, dtype);
           v.out_dtype = dtype;
           v.extras = extras;
+          add(v);
+        }
+        if (kernel_sm == 80 && fa_kernel_head_dim(80, h) <= kFaMaxBackwardHeadDim) {
+          KernelVariant v;
+          v.backward = 1;
+          v.kernel_sm = 80;
+          v.head_dim = fa_kernel_head_dim(80, h);
+          v.dtype = OperandDtype(80, dtype);
+          v.out_dtype = dtype;
           add(v);
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {

@@ -29,6 +29,7 @@ struct KernelVariant {
   int out_dtype = kF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
+  int backward = 0;     // 1: the backward kernels (kernel_sm 80, no extras)
 
   // "sm80 H=128 bf16->bf16", "... extras", "decode sm80 rows=4 ...": for logs.
   std::string Describe() const;
@@ -51,6 +52,7 @@ struct CallShape {
   int dtype = kF16;
   bool bias = false, mask = false, q_lens = false;
   FaRules rules{};
+  bool backward = false;  // the gradients' kernels (attention_backward.cu)
 };
 
 // How a kernel serves a call.
@@ -74,8 +76,9 @@ std::string PlanCall(int kernel_sm, const CallShape& shape, CallPlan* plan);
 // occupancy; MaxBlocksPerSm bounds it before loading).
 struct LaunchPlan {
   FaTile tile{};
-  int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads
-  int64_t blocks = 0;     // the grid
+  int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads;
+                          // backward: fa_backward_dq's grid (row blocks)
+  int64_t blocks = 0;     // the grid (backward: fa_backward_dkdv's, key tiles)
   int parts = 1;          // FaSplitKV::parts: forward splits per unit; decode:
                           // blocks of the lean partition
   int64_t slots = 0;      // partial states in the workspace (0: no split)
@@ -113,7 +116,8 @@ int DefaultKernel(int cc, int64_t head_dim);
 // The variants `python -m fastattn_jax.precompile` builds for compute
 // capability `cc`: every kernel the GPU runs, at each head dim (rounded as
 // the kernel rounds it) and input dtype (kF16, kBF16; output alike), with
-// and without extras, and the decode kernel at each rows per block.
+// and without extras, the decode kernel at each rows per block, and the
+// backward kernels (kernel 80, head dims up to kFaMaxBackwardHeadDim).
 std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,
                                            const std::vector<int>& dtypes);
 

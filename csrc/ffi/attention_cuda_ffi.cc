@@ -1,7 +1,8 @@
-// XLA FFI handler of the CUDA attention kernels, target
-// fastattn_attention_cuda (platform "CUDA"): the forward kernels and the
-// decode kernel, whichever variant the lowering chose (csrc/cuda/variants.h:
-// PlanCall, passed as the `variant` attribute).
+// XLA FFI handlers of the CUDA attention kernels (platform "CUDA"): target
+// fastattn_attention_cuda, the forward kernels and the decode kernel, and
+// target fastattn_attention_cuda_backward, the backward kernels; whichever
+// variant the lowering chose (csrc/cuda/variants.h: PlanCall, passed as the
+// `variant` attribute). Both share the instantiate stage and the site state.
 //
 // Stages:
 //   instantiate  the call site's state (SiteState): its variant and index
@@ -179,13 +180,9 @@ ffi::ErrorOr<std::unique_ptr<SiteState>> InstantiateImpl(CallAttrs attrs) {
   return site;
 }
 
-ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
-                          ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
-                          ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32>,
-                          ffi::ResultBuffer<ffi::F32>, CallAttrs) {
-  fastattn::QkvDims d;
-  if (auto err = CheckCall(*site, q, k, v, *out, &d); err.failure()) return err;
+// The initialize stage of a checked call of shapes d: loads the site's
+// kernel on the stream's context and plans its launch, once per context.
+ffi::Error InitializeContext(cu::CUstream stream, SiteState* site, const fastattn::QkvDims& d) {
   const cu::Driver* driver;
   cu::CUcontext context;
   if (auto err = StreamContext(stream, &driver, &context); err.failure()) return err;
@@ -226,6 +223,51 @@ ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q
   site->count.store(n + 1, std::memory_order_release);
   RecordLaunch(site->variant, kd, *c.kernel, c.plan);
   return ffi::Error::Success();
+}
+
+ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
+                          ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
+                          ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32>,
+                          ffi::ResultBuffer<ffi::F32>, CallAttrs) {
+  fastattn::QkvDims d;
+  if (auto err = CheckCall(*site, q, k, v, *out, &d); err.failure()) return err;
+  return InitializeContext(stream, site, d);
+}
+
+// The backward's buffers: d_out and the gradients as query, key and value
+// (CheckCall's rules, with dq in out's place), lse and delta (B, T, N).
+ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
+                         ffi::Buffer<ffi::F32> delta, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                         ffi::AnyBuffer dv, fastattn::QkvDims* d) {
+  if (auto err = CheckCall(site, q, k, v, dq, d); err.failure()) return err;
+  const int64_t rows = d->B * d->T * d->N;
+  if (d_out.element_type() != q.element_type() ||
+      d_out.element_count() != q.element_count() || dk.element_type() != dq.element_type() ||
+      dv.element_type() != dq.element_type() || dk.element_count() != k.element_count() ||
+      dv.element_count() != v.element_count() ||
+      static_cast<int64_t>(lse.element_count()) != rows ||
+      static_cast<int64_t>(delta.element_count()) != rows) {
+    return ffi::Error::InvalidArgument(
+        "CUDA attention backward: d_out must be as query, dk and dv as key and value in dq's "
+        "dtype, lse and delta (B, T, N)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error InitializeBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
+                                  ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32>,
+                                  ffi::Buffer<ffi::S32>, ffi::AnyBuffer d_out,
+                                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                  ffi::Result<ffi::AnyBuffer> dv, CallAttrs) {
+  fastattn::QkvDims d;
+  if (auto err = CheckBackward(*site, q, k, v, d_out, lse, delta, *dq, *dk, *dv, &d);
+      err.failure()) {
+    return err;
+  }
+  return InitializeContext(stream, site, d);
 }
 
 // Fills the operands (pointers, strides, shapes) of a call whose kernel sees
@@ -378,7 +420,83 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
   return error.empty() ? ffi::Error::Success() : ffi::Error::Internal(error);
 }
 
+ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
+                               ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_lens,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer d_out,
+                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                               ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                               ffi::Result<ffi::AnyBuffer> dv, CallAttrs) {
+  fastattn::QkvDims d;
+  if (auto err = CheckBackward(*site, q, k, v, d_out, lse, delta, *dq, *dk, *dv, &d);
+      err.failure()) {
+    return err;
+  }
+  const cu::Driver* driver;
+  cu::CUcontext context;
+  if (auto err = StreamContext(stream, &driver, &context); err.failure()) return err;
+  const ContextState* c = site->Find(context);
+  if (!c) {
+    return ffi::Error::Internal("CUDA attention backward: the call site was not initialized "
+                                "on this CUDA context");
+  }
+  if (d.B == 0 || d.N == 0) return ffi::Error::Success();
+  FaGradParams p{};
+  const int32_t* kv_data;
+  if (auto err = fastattn::CheckLengths("key_value_seq_lengths", kv_lens, d.B, &kv_data);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, d.B, &p.q_lens);
+      err.failure()) {
+    return err;
+  }
+  // d_out stands in out's place: the kernels read it with out's strides.
+  FillOperands(d, d, false, q, k, v, d_out, lse, kv_data, &p);
+  p.rules = site->rules;
+  p.split.parts = 1;
+  p.d_out = d_out.untyped_data();
+  p.delta = delta.typed_data();
+  p.dq = dq->untyped_data(), p.dk = dk->untyped_data(), p.dv = dv->untyped_data();
+  std::copy(p.kv_stride, p.kv_stride + 3, p.dkv_stride);
+  const cu::LoadedKernel& kn = *c->kernel;
+  void* args[1] = {&p};
+  std::string error;
+  if (c->plan.blocks > 0) {
+    error = cu::Launch(*driver, kn.function, static_cast<unsigned>(c->plan.blocks),
+                       kn.tile.threads, kn.tile.smem_bytes, 1, stream, args,
+                       "launching fa_backward_dkdv");
+  }
+  if (error.empty() && c->plan.units > 0) {
+    error = cu::Launch(*driver, kn.dq, static_cast<unsigned>(c->plan.units), kn.tile.threads,
+                       kn.tile.smem_bytes, 1, stream, args, "launching fa_backward_dq");
+  }
+  return error.empty() ? ffi::Error::Success() : ffi::Error::Internal(error);
+}
+
 }  // namespace
+
+#define FASTATTN_CUDA_BACKWARD_BINDING(stage)                        \
+  ffi::Ffi::Bind<stage>()                                           \
+      .Ctx<ffi::PlatformStream<cu::CUstream>>()                     \
+      .Ctx<ffi::State<SiteState>>()                                 \
+      .Arg<ffi::AnyBuffer>()         /* query */                    \
+      .Arg<ffi::AnyBuffer>()         /* key */                      \
+      .Arg<ffi::AnyBuffer>()         /* value */                    \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* query lengths or empty */   \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */     \
+      .Arg<ffi::AnyBuffer>()         /* d_out */                    \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* lse */                      \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* delta: rowsum(dO o O) - dLSE */ \
+      .Ret<ffi::AnyBuffer>()         /* dq */                       \
+      .Ret<ffi::AnyBuffer>()         /* dk */                       \
+      .Ret<ffi::AnyBuffer>()         /* dv */                       \
+      .Attrs<CallAttrs>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCudaBackwardInitialize, InitializeBackwardImpl,
+                              FASTATTN_CUDA_BACKWARD_BINDING(ffi::ExecutionStage::kInitialize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCudaBackwardExecute, ExecuteBackwardImpl,
+                              FASTATTN_CUDA_BACKWARD_BINDING(ffi::ExecutionStage::kExecute),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 #define FASTATTN_CUDA_BINDING(stage)                                 \
   ffi::Ffi::Bind<stage>()                                           \

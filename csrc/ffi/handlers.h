@@ -14,5 +14,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCpuBackward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaExecute);
+// fastattn_attention_cuda_backward: the backward kernels, with the same
+// instantiate stage and state type.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaBackwardInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaBackwardExecute);
 XLA_FFI_TypeId* CudaSiteStateTypeId();
 const XLA_FFI_TypeInfo* CudaSiteStateTypeInfo();

@@ -82,6 +82,20 @@ struct FaParams : FaOperands {
   FaSplitKV split;
 };
 
+// The backward kernels' (attention_backward.cu): the forward's operands and
+// lse, the cotangent d_out (out's layout: out_stride), D = rowsum(dO o O) -
+// dLSE (lse's layout), and the gradients: dq in out's layout, dk and dv in
+// dkv_stride's, all of FA_OUT_DTYPE. `out` itself is not read; split.parts
+// is 1.
+struct FaGradParams : FaParams {
+  const void* d_out;
+  const float* delta;
+  void* dq;
+  void* dk;
+  void* dv;
+  long long dkv_stride[3];
+};
+
 // The decode kernel's: no bias, mask or query lengths (the host sends such
 // calls to the forward kernels).
 struct FaDecodeParams : FaOperands {

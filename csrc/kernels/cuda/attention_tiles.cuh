@@ -160,6 +160,25 @@ FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
 // per block, one block per unit.
 constexpr int kFaMergeThreads = 128;
 
+// --- attention_backward.cu (kernel 80) ------------------------------------------------
+
+// The largest head dim of the backward kernels: a fa_backward_dkdv lane holds
+// dK and dV, H / 2 registers each.
+constexpr int kFaMaxBackwardHeadDim = 128;
+// fa_backward_dkdv's query rows per step: 64 up to H = 64, 32 above (S^T and
+// dP^T take rows / 4 registers each per lane, on top of dK and dV).
+FA_TILE_FN int fa_backward_query_rows(int h) { return h <= 64 ? 64 : 32; }
+// Both backward kernels run 4 warps: fa_backward_dq on Br = 64 query rows
+// (16 per warp) holding Q, dO and one K and V tile of Bc = 64 keys;
+// fa_backward_dkdv on Bc = 64 keys holding K, V, one step's Q and dO, and
+// its rows' LSE and D. Rows padded by 16 bytes (attention_mma16.cu).
+FA_TILE_FN FaTile fa_backward_tile(int h) {
+  const int row = 2 * h + 16, rows = fa_backward_query_rows(h);
+  const int dq = 4 * 64 * row;
+  const int dkdv = (2 * 64 + 2 * rows) * row + 2 * rows * 4;
+  return FaTile{64, 64, 128, dq > dkdv ? dq : dkdv};
+}
+
 // --- tiles ----------------------------------------------------------------------------
 
 // The tile of forward kernel `kernel_sm` at kernel head dim h (a multiple of

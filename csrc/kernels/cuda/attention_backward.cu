@@ -1,0 +1,307 @@
+// Fused attention backward on 16-bit tensor cores (kernel 80: mma.m16n8k16,
+// fp16/bf16, cp.async): FlashAttention-2's backward (Dao 2023, Algorithm 2)
+// as two kernels that write disjoint outputs, so every sum has one order
+// (deterministic, no atomics):
+//
+//   fa_backward_dkdv  a block owns Bc = 64 keys of one (batch, key/value
+//                     head), 16 per warp, and walks every query row of the
+//                     G heads that read it which sees one of them, kBq rows
+//                     at a time. Keys are the rows of its products:
+//                       S^T  = K Q^T        (A: K rows, B: Q rows)
+//                       P^T  = 2^(S^T scale log2(e) - LSE_2)
+//                       dP^T = V dO^T       (A: V rows, B: dO rows)
+//                       dS^T = P^T (dP^T - D)
+//                       dV  += P^T dO       (A: P^T from the accumulators)
+//                       dK  += dS^T Q       (A: dS^T from the accumulators)
+//                     so P^T and dS^T feed the next products from registers
+//                     (fa_pack_a), as P does P V in the forward.
+//   fa_backward_dq    a block owns Br = 64 query rows of one (batch, head),
+//                     16 per warp, and walks the key tiles they see:
+//                       S = Q K^T, P, dP = dO V^T, dS = P (dP - D),
+//                       dQ += dS K          (A: dS from the accumulators)
+//                     S and dP are computed twice (once per kernel): 7
+//                     products of 2 H flops per pair instead of 5, the price
+//                     of no atomics.
+//
+// D = rowsum(dO o O) - dLSE comes precomputed (B, T, N) float32 from the
+// caller (an XLA reduction over out and d_out). Rows that see no key have
+// LSE -inf, taken as +inf: P = 0. Shared-memory rows are padded by 16 bytes
+// as in attention_mma16.cu.
+#include "attention_m16n8.cuh"
+
+#if FA_KERNEL_SM != 80
+#error "attention_backward.cu is built as kernel 80"
+#endif
+
+namespace {
+
+constexpr int kH = FA_HEAD_DIM;
+constexpr int kRowBytes = kH * 2 + 16;
+constexpr int kChunks = kH / 8;
+constexpr FaTile kTile = fa_backward_tile(kH);
+constexpr int kThreads = kTile.threads;
+constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per block
+constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block
+constexpr int kBq = fa_backward_query_rows(kH);  // fa_backward_dkdv: rows per step
+constexpr int kKs = kH / 16;                     // k16 steps over H
+constexpr int kNo = kH / 8;                      // n8 tiles over H
+
+template <int ROWS>
+__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s, int tid) {
+#pragma unroll
+  for (int i = 0; i < (ROWS * kChunks + kThreads - 1) / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    if (ROWS * kChunks % kThreads != 0 && c >= ROWS * kChunks) break;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
+    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
+    fa_cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
+  }
+}
+
+// Per-lane ldmatrix offsets (attention_mma16.cu): rows as the A operand, rows
+// as the non-transposed B operand (two n8 tiles per x4), rows as the
+// transposed B operand (k = rows).
+__device__ __forceinline__ unsigned a_offset(int row0, int lane) {
+  return (row0 + (lane & 15)) * kRowBytes + (lane >> 4) * 16;
+}
+__device__ __forceinline__ unsigned b_offset(int lane) {
+  return ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + ((lane >> 3) & 1) * 16;
+}
+__device__ __forceinline__ unsigned bt_offset(int lane) {
+  return (lane & 15) * kRowBytes + (lane >> 4) * 16;
+}
+
+// c[n8 tiles of kCols columns] = A (16 rows at a_base) B^T (kCols rows at
+// b_base), both row-major over H.
+template <int kCols>
+__device__ __forceinline__ void rows_times_rows(unsigned a_base, unsigned b_base, int lane,
+                                                float (&c)[kCols / 8][4]) {
+#pragma unroll
+  for (int i = 0; i < kCols / 8; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kKs; ++kk) {
+    unsigned a[4];
+    fa_ldsm_x4(a_base + kk * 32, a);
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      unsigned b[4];
+      fa_ldsm_x4(b_base + b_offset(lane) + np * 16 * kRowBytes + kk * 32, b);
+      fa_mma16(c[2 * np], a, b[0], b[1]);
+      fa_mma16(c[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[n8 tiles over H] += pack(c) (16 x kK, the accumulators of
+// rows_times_rows as the A operand) times the kK rows at b_base.
+template <int kK>
+__device__ __forceinline__ void accumulate(const float (&c)[kK / 8][4], unsigned b_base, int lane,
+                                           float (&acc)[kNo][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    unsigned a[4];
+    fa_pack_a(c, kk, a);
+#pragma unroll
+    for (int np = 0; np < kNo / 2; ++np) {
+      unsigned b[4];
+      fa_ldsm_x4_t(b_base + bt_offset(lane) + kk * 16 * kRowBytes + np * 32, b);
+      fa_mma16(acc[2 * np], a, b[0], b[1]);
+      fa_mma16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Rows row0 and row0 + 8 of a 16-row accumulator tile, times `scale`, into
+// (b, row, head) of a (B, L, heads, H) array of FA_OUT_DTYPE (rows >= L
+// skipped).
+__device__ __forceinline__ void write_rows(void* out, const long long (&stride)[3], int b,
+                                           int head, int row0, int rows, int H, int t4,
+                                           float scale, const float (&acc)[kNo][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    if (row >= rows) continue;
+    const long long at = fa_at(stride, b, row, head);
+#pragma unroll
+    for (int nt = 0; nt < kNo; ++nt) {
+      const int col = nt * 8 + 2 * t4;
+      if (col >= H) continue;
+      const float x0 = acc[nt][2 * h] * scale, x1 = acc[nt][2 * h + 1] * scale;
+#if FA_OUT_DTYPE == 2
+      static_cast<float*>(out)[at + col] = x0;
+      static_cast<float*>(out)[at + col + 1] = x1;
+#elif FA_OUT_DTYPE == 1
+      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
+          fa_pack_bf16(x0, x1);
+#else
+      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
+          fa_pack_f16(x0, x1);
+#endif
+    }
+  }
+}
+
+// LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).
+__device__ __forceinline__ float lse2_of(float lse) {
+  return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse * kFaLog2e;
+}
+
+}  // namespace
+
+extern "C" __constant__ int fa_params_bytes = sizeof(FaGradParams);
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    fa_backward_dkdv(const FaGradParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int tiles = (p.S + kBc - 1) / kBc;
+  const int tile = blockIdx.x % tiles;
+  const int kvh = blockIdx.x / tiles % p.K, b = blockIdx.x / tiles / p.K;
+  const int G = p.N / p.K;
+  const int j0 = tile * kBc;
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+
+  const unsigned sk = fa_smem_u32(smem), sv = sk + kBc * kRowBytes;
+  const unsigned sq = sv + kBc * kRowBytes, sdo = sq + kBq * kRowBytes;
+  float* s_lse = reinterpret_cast<float*>(smem + (2 * kBc + 2 * kBq) * kRowBytes);
+  float* s_delta = s_lse + kBq;
+
+  float dk[kNo][4], dv[kNo][4];
+#pragma unroll
+  for (int i = 0; i < kNo; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+  // This warp's keys: j0 + 16 warp + g and + 8.
+  const int wk0 = j0 + 16 * warp, wk1 = wk0 + 16;
+  const int j1 = min(j0 + kBc, kv_len);
+  if (j0 < kv_len) {
+    const long long kv_at = fa_at(p.kv_stride, b, j0, kvh);
+    tile_async<kBc>(sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
+                                  p.kv_stride[1], kv_len - j0, p.H}, tid);
+    tile_async<kBc>(sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
+                                  p.kv_stride[1], kv_len - j0, p.H}, tid);
+    fa_cp_async_commit();
+    const float to_log2 = p.rules.scale * kFaLog2e;
+    for (int n = kvh * G; n < (kvh + 1) * G; ++n) {
+      for (int i0 = 0; i0 < q_len; i0 += kBq) {
+        int lo, hi;
+        fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
+        if (hi <= j0 || lo >= j1) continue;  // the same for every thread
+        __syncthreads();  // the previous step is done with sq, sdo and the rows' scalars
+        tile_async<kBq>(sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
+                                          fa_at(p.q_stride, b, i0, n),
+                                      p.q_stride[1], q_len - i0, p.H}, tid);
+        tile_async<kBq>(sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
+                                           fa_at(p.out_stride, b, i0, n),
+                                       p.out_stride[1], q_len - i0, p.H}, tid);
+        fa_cp_async_commit();
+        for (int r = tid; r < kBq; r += kThreads) {
+          const bool live = i0 + r < q_len;
+          const long long at = fa_at(p.lse_stride, b, i0 + r, n);
+          s_lse[r] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+          s_delta[r] = live ? p.delta[at] : 0.f;
+        }
+        fa_cp_async_wait<0>();
+        __syncthreads();
+        if (wk0 >= j1 || hi <= wk0 || lo >= wk1) continue;  // no key of this warp is seen
+
+        float s[kBq / 8][4], dp[kBq / 8][4];
+        rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq, lane, s);
+        rows_times_rows<kBq>(sv + a_offset(16 * warp, lane), sdo, lane, dp);
+        const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
+#pragma unroll
+        for (int nt = 0; nt < kBq / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = nt * 8 + 2 * t4 + e;  // query row i0 + c
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int j = wk0 + g + 8 * h;
+              const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, j);
+              const float pe = seen ? fa_ex2(fmaf(s[nt][2 * h + e], to_log2, -s_lse[c])) : 0.f;
+              s[nt][2 * h + e] = pe;
+              dp[nt][2 * h + e] = seen ? pe * (dp[nt][2 * h + e] - s_delta[c]) : 0.f;
+            }
+          }
+        accumulate<kBq>(s, sdo, lane, dv);
+        accumulate<kBq>(dp, sq, lane, dk);
+      }
+    }
+  }
+  fa_cp_async_wait<0>();  // K and V, where no query row took them
+  write_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
+  write_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    fa_backward_dq(const FaGradParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const FaBlock blk = fa_block(p, kBr, kBc);
+  const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
+  const int q_len = blk.q_len, kv_len = blk.kv_len;
+
+  const unsigned sq = fa_smem_u32(smem), sdo = sq + kBr * kRowBytes;
+  const unsigned sk = sdo + kBr * kRowBytes, sv = sk + kBc * kRowBytes;
+
+  const int w0 = m0 + 16 * warp, w1 = w0 + 16;
+  int wlo, whi;
+  fa_rows_keys(p.rules, q_len, kv_len, w0, w1, &wlo, &whi);
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = w0 + g + 8 * h;
+    const long long at = fa_at(p.lse_stride, b, i, n);
+    lse2[h] = i < q_len ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+    delta[h] = i < q_len ? p.delta[at] : 0.f;
+  }
+  float dq[kNo][4];
+#pragma unroll
+  for (int i = 0; i < kNo; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+
+  if (blk.t_end > blk.t_begin) {
+    tile_async<kBr>(sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
+                                      fa_at(p.q_stride, b, m0, n),
+                                  p.q_stride[1], q_len - m0, p.H}, tid);
+    tile_async<kBr>(sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
+                                       fa_at(p.out_stride, b, m0, n),
+                                   p.out_stride[1], q_len - m0, p.H}, tid);
+    const float to_log2 = p.rules.scale * kFaLog2e;
+    for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
+      const int n0 = tile * kBc;
+      __syncthreads();  // the previous tile's K and V are no longer read
+      const long long kv_at = fa_at(p.kv_stride, b, n0, kvh);
+      tile_async<kBc>(sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
+                                    p.kv_stride[1], kv_len - n0, p.H}, tid);
+      tile_async<kBc>(sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
+                                    p.kv_stride[1], kv_len - n0, p.H}, tid);
+      fa_cp_async_commit();
+      fa_cp_async_wait<0>();
+      __syncthreads();
+      if (n0 >= whi || n0 + kBc <= wlo) continue;  // this warp's rows see none of the tile
+
+      float s[kBc / 8][4], dp[kBc / 8][4];
+      rows_times_rows<kBc>(sq + a_offset(16 * warp, lane), sk, lane, s);
+      rows_times_rows<kBc>(sdo + a_offset(16 * warp, lane), sv, lane, dp);
+      if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc)) {
+        fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
+      }
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[nt][2 * h + e];
+            const float pe = x == FA_NEG_INF ? 0.f : fa_ex2(fmaf(x, to_log2, -lse2[h]));
+            dp[nt][2 * h + e] = pe * (dp[nt][2 * h + e] - delta[h]);
+          }
+      accumulate<kBc>(dp, sk, lane, dq);
+    }
+  }
+  write_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
+}
