@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import (attention, backends, cuda, fast_attention, primitive, reference,
-                          resolve_implementation)
+from fastattn_jax import (_ffi, attention, backends, cuda, fast_attention, primitive,
+                          reference, resolve_implementation)
 
 #: Floor of the rule, relative to the largest reference gradient: a few ulps of
 #: the dtype (the gradients are rounded to it; float32 sums rows in another
@@ -281,3 +281,36 @@ def test_blockwise_reference_backward(name, rng):
     err, err_xla = tu.max_err(g, r), tu.max_err(x, r)
     floor = GRAD_ATOL[case.dtype] * max(float(np.abs(r).max()), 1.0)
     assert err <= 2 * err_xla + floor, (what, err, err_xla, floor)
+
+
+def test_cuda_backward_plan_rules():
+  """Which calls the CUDA backward kernels take (no GPU needed): the sm80 and
+  sm90 paths, both on kernel 80's build, H up to 128, no bias, mask or soft
+  cap; one launch of ceil(S / 64) * K * B blocks for dK and dV and one of
+  ceil(T / 64) * N * B for dQ."""
+  config = attention.AttentionConfig(scale=0.125, is_causal=True)
+  q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
+  for path in ("cuda_sm80", "cuda_sm90"):
+    plan = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
+    assert plan["backward"] and plan["kernel_sm"] == 80 and plan["head_dim"] == 64
+    launch = _ffi_launch(plan, q, k)
+    assert launch["blocks"] == 16 * 2 * 2 and launch["units"] == 16 * 8 * 2
+    assert launch["workspace_floats"] == 0
+  assert cuda.plan("cuda_sm80", config, q, k, jnp.float32, backward=True)["operand_dtype"] == (
+      cuda.DTYPE_CODES["float16"])
+  refused = [
+      ("cuda_sm75", config, q, k, False, False),
+      ("cuda_sm80", config, (2, 10, 8, 136), (2, 10, 2, 136), False, False),
+      ("cuda_sm80", config, q, k, True, False),
+      ("cuda_sm80", config, q, k, False, True),
+      ("cuda_sm80", dataclasses.replace(config, softcap=5.0), q, k, False, False),
+  ]
+  for path, cfg, qs, ks, bias, mask in refused:
+    assert not backends.fused_backward(path, cfg, qs, ks, jnp.float16, bias, mask)
+    with pytest.raises(ValueError):
+      cuda.plan(path, cfg, qs, ks, jnp.float16, bias, mask, backward=True)
+
+
+def _ffi_launch(plan, q_shape, k_shape):
+  return _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, q_shape, k_shape),
+                               900, 132, 1)
