@@ -163,8 +163,8 @@ def fused_backward(implementation: str, config: AttentionConfig, q_shape, k_shap
                    bias: bool = False, mask: bool = False) -> bool:
   """Whether ``implementation`` has a fused backward for a call: always on the
   CPU; on the CUDA paths where the owner plans backward kernels for it
-  (``cuda.plan(..., backward=True)``: sm80 and newer, H <= 128, no bias, mask or
-  soft cap). Elsewhere the gradients come from ``reference.attention_grads``."""
+  (``cuda.plan(..., backward=True)``: sm80 and newer, H <= 128). Elsewhere the
+  gradients come from ``reference.attention_grads``."""
   if implementation == "cpu":
     return True
   if implementation not in cuda.IMPLEMENTATIONS:
@@ -182,8 +182,8 @@ def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, b
   the gradients (dq, dk, dv) of the call ``fused_call`` ran, from its out (B, T,
   N, H) and lse (B, T, N) and their cotangents d_out and d_lse (float32)."""
   if implementation in cuda.IMPLEMENTATIONS:
-    return cuda.call_backward(implementation, config, rule_attrs(config), q, k, v, q_lens,
-                              kv_lens, out, lse, d_out, d_lse)
+    return cuda.call_backward(implementation, config, rule_attrs(config), q, k, v, bias, mask,
+                              q_lens, kv_lens, out, lse, d_out, d_lse)
   return jax.ffi.ffi_call(CPU_BACKWARD_TARGET, tuple(
       jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))(
           *_cpu_operands(q, k, v, bias, mask, q_lens, kv_lens), out, lse, d_out, d_lse,

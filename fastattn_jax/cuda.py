@@ -139,7 +139,7 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
-      H > 128, a bias, mask or soft cap, or a kernel before sm80), saying why.
+      H > 128 or a kernel before sm80), saying why.
   """
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
@@ -205,18 +205,18 @@ def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bia
   return out[..., :H], lse
 
 
-def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, k, v,
-                  q_lens, kv_lens, out, lse, d_out, d_lse):
+def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias,
+                  mask, q_lens, kv_lens, out, lse, d_out, d_lse):
   """Runs the backward kernels ``implementation`` plans for the call; returns
   (dq, dk, dv) in q's, k's and v's shapes and dtypes.
 
   D = rowsum(dO o O) - dLSE is reduced here, by XLA (B, T, N float32); q, k,
   v and d_out go to the plan's operand dtype and rows as ``call`` sends them.
-  The kernels take no bias, mask or soft cap (``plan`` raises on them).
+  No gradient for the bias (``fastattn_jax.attention`` takes it elsewhere).
   """
   B, T, N, H = q.shape
-  p = plan(implementation, config, q.shape, k.shape, q.dtype, q_lens=q_lens is not None,
-           backward=True)
+  p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
+           mask is not None, q_lens is not None, backward=True)
   dtypes = (q.dtype, k.dtype, v.dtype)
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
   operand = jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]])
@@ -224,10 +224,14 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
   if p["row_elements"] != H:
     pad = [(0, 0)] * 3 + [(0, p["row_elements"] - H)]
     q, k, v, d_out = (jnp.pad(x, pad) for x in (q, k, v, d_out))
-  empty = jnp.zeros((0,), jnp.int32)
+  empty = lambda dtype: jnp.zeros((0,), dtype)
   grads = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(
       jax.ShapeDtypeStruct(x.shape, dtypes[0]) for x in (q, k, v)))(
-          q, k, v, empty if q_lens is None else q_lens, empty if kv_lens is None else kv_lens,
+          q, k, v,
+          empty(jnp.float32) if bias is None else bias.astype(jnp.float32),
+          empty(jnp.bool_) if mask is None else mask,
+          empty(jnp.int32) if q_lens is None else q_lens,
+          empty(jnp.int32) if kv_lens is None else kv_lens,
           d_out, lse, delta, **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 

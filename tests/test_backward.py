@@ -285,9 +285,9 @@ def test_blockwise_reference_backward(name, rng):
 
 def test_cuda_backward_plan_rules():
   """Which calls the CUDA backward kernels take (no GPU needed): the sm80 and
-  sm90 paths, both on kernel 80's build, H up to 128, no bias, mask or soft
-  cap; one launch of ceil(S / 64) * K * B blocks for dK and dV and one of
-  ceil(T / 64) * N * B for dQ."""
+  sm90 paths, both on kernel 80's build, H up to 128 (bias, mask and soft cap
+  in the extras build); one launch of ceil(S / 64) * K * B blocks for dK and
+  dV and one of ceil(T / 64) * N * B for dQ."""
   config = attention.AttentionConfig(scale=0.125, is_causal=True)
   q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
   for path in ("cuda_sm80", "cuda_sm90"):
@@ -298,12 +298,12 @@ def test_cuda_backward_plan_rules():
     assert launch["workspace_floats"] == 0
   assert cuda.plan("cuda_sm80", config, q, k, jnp.float32, backward=True)["operand_dtype"] == (
       cuda.DTYPE_CODES["float16"])
+  for cfg, bias, mask in ((config, True, False), (config, False, True),
+                          (dataclasses.replace(config, softcap=5.0), False, False)):
+    assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]
   refused = [
       ("cuda_sm75", config, q, k, False, False),
       ("cuda_sm80", config, (2, 10, 8, 136), (2, 10, 2, 136), False, False),
-      ("cuda_sm80", config, q, k, True, False),
-      ("cuda_sm80", config, q, k, False, True),
-      ("cuda_sm80", dataclasses.replace(config, softcap=5.0), q, k, False, False),
   ]
   for path, cfg, qs, ks, bias, mask in refused:
     assert not backends.fused_backward(path, cfg, qs, ks, jnp.float16, bias, mask)

@@ -33,7 +33,7 @@ std::string KernelVariant::Describe() const {
   const std::string types = std::string(DtypeName(dtype)) + "->" + DtypeName(out_dtype);
   if (backward) {
     return "backward sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " +
-           types;
+           types + (extras ? " extras" : "");
   }
   if (decode_rows) {
     return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
@@ -54,9 +54,8 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
-    if (backward != 1 || kernel_sm != 80 || extras || decode_rows ||
-        head_dim > kFaMaxBackwardHeadDim) {
-      return "the backward kernels are built for sm 80, without extras, up to H=" +
+    if (backward != 1 || kernel_sm != 80 || decode_rows || head_dim > kFaMaxBackwardHeadDim) {
+      return "the backward kernels are built for sm 80, up to H=" +
              std::to_string(kFaMaxBackwardHeadDim);
     }
     return "";
@@ -136,9 +135,6 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   if (c.backward) {
     const FaRules& r = c.rules;
     if (kernel_sm < 80) return "no backward kernel for sm" + std::to_string(kernel_sm);
-    if (c.bias || c.mask || r.softcap > 0 || !(r.scale > 0)) {
-      return "the backward kernels take no bias, mask or soft cap, and scale > 0";
-    }
     plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
     KernelVariant& v = plan->variant;
     v.backward = 1;
@@ -150,6 +146,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     }
     v.dtype = plan->operand_dtype = OperandDtype(80, c.dtype);
     v.out_dtype = c.dtype;
+    v.extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
     return "";
   }
   const int in_dtype = c.dtype == kBF16 ? kBF16 : kF16;
@@ -314,13 +311,15 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
           v.extras = extras;
           add(v);
         }
-        if (kernel_sm == 80 && fa_kernel_head_dim(80, h) <= kFaMaxBackwardHeadDim) {
+        for (int extras : {0, 1}) {
+          if (kernel_sm != 80 || fa_kernel_head_dim(80, h) > kFaMaxBackwardHeadDim) break;
           KernelVariant v;
           v.backward = 1;
           v.kernel_sm = 80;
           v.head_dim = fa_kernel_head_dim(80, h);
           v.dtype = OperandDtype(80, dtype);
           v.out_dtype = dtype;
+          v.extras = extras;
           add(v);
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {

@@ -29,7 +29,7 @@ struct KernelVariant {
   int out_dtype = kF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
-  int backward = 0;     // 1: the backward kernels (kernel_sm 80, no extras)
+  int backward = 0;     // 1: the backward kernels (kernel_sm 80)
 
   // "sm80 H=128 bf16->bf16", "... extras", "decode sm80 rows=4 ...": for logs.
   std::string Describe() const;

@@ -257,7 +257,8 @@ ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer
 }
 
 ffi::Error InitializeBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
-                                  ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32>,
+                                  ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
+                                  ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>,
                                   ffi::Buffer<ffi::S32>, ffi::AnyBuffer d_out,
                                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -291,6 +292,31 @@ void FillOperands(const fastattn::QkvDims& d, const fastattn::QkvDims& kd, bool 
   std::copy(rows, rows + 3, p->out_stride);
   std::copy(lses, lses + 3, p->lse_stride);
   std::copy(keys, keys + 3, p->kv_stride);
+}
+
+// The bias and mask (broadcast to (B, N, T, S) of `kd` by strides) and the
+// query lengths of a call, each absent when its buffer is empty.
+ffi::Error FillExtras(const fastattn::QkvDims& kd, ffi::Buffer<ffi::F32> bias,
+                      ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens, FaParams* p) {
+  const int64_t full[4] = {kd.B, kd.N, kd.T, kd.S};
+  int64_t strides[4];
+  if (bias.element_count() > 0) {
+    if (auto err = fastattn::BroadcastStrides("bias", bias.dimensions(), full, strides);
+        err.failure()) {
+      return err;
+    }
+    std::copy(strides, strides + 4, p->bias_strides);
+    p->bias = bias.typed_data();
+  }
+  if (mask.element_count() > 0) {
+    if (auto err = fastattn::BroadcastStrides("mask", mask.dimensions(), full, strides);
+        err.failure()) {
+      return err;
+    }
+    std::copy(strides, strides + 4, p->mask_strides);
+    p->mask = reinterpret_cast<const unsigned char*>(mask.typed_data());
+  }
+  return fastattn::CheckLengths("query_seq_lengths", q_lens, kd.B, &p->q_lens);
 }
 
 // The split-KV workspace: the lowering sized it for the most the plan can
@@ -382,28 +408,7 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
     FillOperands(d, kd, site->fold_heads, q, k, v, *out, *lse, kv_data, &p);
     p.rules = site->rules;
     if (auto err = FillSplit(*c, *workspace, d.H, &p.split); err.failure()) return err;
-    const int64_t full[4] = {kd.B, kd.N, kd.T, kd.S};
-    int64_t strides[4];
-    if (bias.element_count() > 0) {
-      if (auto err = fastattn::BroadcastStrides("bias", bias.dimensions(), full, strides);
-          err.failure()) {
-        return err;
-      }
-      std::copy(strides, strides + 4, p.bias_strides);
-      p.bias = bias.typed_data();
-    }
-    if (mask.element_count() > 0) {
-      if (auto err = fastattn::BroadcastStrides("mask", mask.dimensions(), full, strides);
-          err.failure()) {
-        return err;
-      }
-      std::copy(strides, strides + 4, p.mask_strides);
-      p.mask = reinterpret_cast<const unsigned char*>(mask.typed_data());
-    }
-    if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, d.B, &p.q_lens);
-        err.failure()) {
-      return err;
-    }
+    if (auto err = FillExtras(kd, bias, mask, q_lens, &p); err.failure()) return err;
     if (site->variant.kernel_sm == 90) {
       if (auto err = EncodeTmaMaps(*driver, p, kn.tile, &maps); err.failure()) return err;
     }
@@ -421,7 +426,8 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
 }
 
 ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
-                               ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_lens,
+                               ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
+                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer d_out,
                                ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -446,10 +452,7 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
       err.failure()) {
     return err;
   }
-  if (auto err = fastattn::CheckLengths("query_seq_lengths", q_lens, d.B, &p.q_lens);
-      err.failure()) {
-    return err;
-  }
+  if (auto err = FillExtras(d, bias, mask, q_lens, &p); err.failure()) return err;
   // d_out stands in out's place: the kernels read it with out's strides.
   FillOperands(d, d, false, q, k, v, d_out, lse, kv_data, &p);
   p.rules = site->rules;
@@ -482,6 +485,8 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
       .Arg<ffi::AnyBuffer>()         /* query */                    \
       .Arg<ffi::AnyBuffer>()         /* key */                      \
       .Arg<ffi::AnyBuffer>()         /* value */                    \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* bias or empty */            \
+      .Arg<ffi::Buffer<ffi::PRED>>() /* mask or empty */            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* query lengths or empty */   \
       .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */     \
       .Arg<ffi::AnyBuffer>()         /* d_out */                    \

@@ -25,8 +25,9 @@
 //
 // D = rowsum(dO o O) - dLSE comes precomputed (B, T, N) float32 from the
 // caller (an XLA reduction over out and d_out). Rows that see no key have
-// LSE -inf, taken as +inf: P = 0. Shared-memory rows are padded by 16 bytes
-// as in attention_mma16.cu.
+// LSE -inf, taken as +inf: P = 0. FA_EXTRAS variants apply the bias, mask
+// and soft cap per pair (prob_and_ds), the others the index rules alone.
+// Shared-memory rows are padded by 16 bytes as in attention_mma16.cu.
 #include "attention_m16n8.cuh"
 
 #if FA_KERNEL_SM != 80
@@ -142,6 +143,37 @@ __device__ __forceinline__ void write_rows(void* out, const long long (&stride)[
   }
 }
 
+// P and dS of one (row i, key j) from the raw products qk = q . k and dp =
+// dO . v: P = e^(logit - LSE), dS = P (dp - D) times the soft cap's
+// derivative 1 - tanh^2 (FA_EXTRAS: logit = softcap tanh(scale qk / softcap)
+// + bias, and a false mask hides the pair; else logit = scale qk). `seen`:
+// the index rules show key j to row i.
+__device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, float dp, bool seen,
+                                            int b, int n, int i, int j, float lse2, float delta,
+                                            float* pe, float* ds) {
+#if FA_EXTRAS
+  float x = qk * p.rules.scale, slope = 1.f;
+  if (seen && p.rules.softcap > 0.f) {
+    const float t = fa_tanh(x / p.rules.softcap);
+    x = p.rules.softcap * t;
+    slope = 1.f - t * t;
+  }
+  if (seen && p.bias) {
+    x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] + i * p.bias_strides[2] +
+                j * p.bias_strides[3]];
+  }
+  if (seen && p.mask) {
+    seen = p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] + i * p.mask_strides[2] +
+                  j * p.mask_strides[3]];
+  }
+  *pe = seen ? fa_ex2(fmaf(x, kFaLog2e, -lse2)) : 0.f;
+  *ds = seen ? *pe * (dp - delta) * slope : 0.f;
+#else
+  *pe = seen ? fa_ex2(fmaf(qk, p.rules.scale * kFaLog2e, -lse2)) : 0.f;
+  *ds = seen ? *pe * (dp - delta) : 0.f;
+#endif
+}
+
 // LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).
 __device__ __forceinline__ float lse2_of(float lse) {
   return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse * kFaLog2e;
@@ -184,7 +216,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     tile_async<kBc>(sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
                                   p.kv_stride[1], kv_len - j0, p.H}, tid);
     fa_cp_async_commit();
-    const float to_log2 = p.rules.scale * kFaLog2e;
     for (int n = kvh * G; n < (kvh + 1) * G; ++n) {
       for (int i0 = 0; i0 < q_len; i0 += kBq) {
         int lo, hi;
@@ -221,9 +252,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             for (int h = 0; h < 2; ++h) {
               const int j = wk0 + g + 8 * h;
               const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, j);
-              const float pe = seen ? fa_ex2(fmaf(s[nt][2 * h + e], to_log2, -s_lse[c])) : 0.f;
-              s[nt][2 * h + e] = pe;
-              dp[nt][2 * h + e] = seen ? pe * (dp[nt][2 * h + e] - s_delta[c]) : 0.f;
+              prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i0 + c, j,
+                          s_lse[c], s_delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
             }
           }
         accumulate<kBq>(s, sdo, lane, dv);
@@ -270,7 +300,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     tile_async<kBr>(sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
                                        fa_at(p.out_stride, b, m0, n),
                                    p.out_stride[1], q_len - m0, p.H}, tid);
-    const float to_log2 = p.rules.scale * kFaLog2e;
     for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
       const int n0 = tile * kBc;
       __syncthreads();  // the previous tile's K and V are no longer read
@@ -287,18 +316,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       float s[kBc / 8][4], dp[kBc / 8][4];
       rows_times_rows<kBc>(sq + a_offset(16 * warp, lane), sk, lane, s);
       rows_times_rows<kBc>(sdo + a_offset(16 * warp, lane), sv, lane, dp);
-      if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc)) {
-        fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
-      }
+      const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc);
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = s[nt][2 * h + e];
-            const float pe = x == FA_NEG_INF ? 0.f : fa_ex2(fmaf(x, to_log2, -lse2[h]));
-            dp[nt][2 * h + e] = pe * (dp[nt][2 * h + e] - delta[h]);
+            const int i = w0 + g + 8 * h, j = n0 + nt * 8 + 2 * t4 + e;
+            const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, j);
+            float pe;
+            prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
+                        delta[h], &pe, &dp[nt][2 * h + e]);
           }
       accumulate<kBc>(dp, sk, lane, dq);
     }
