@@ -478,7 +478,8 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
 
 }  // namespace
 
-#define FASTATTN_CUDA_BACKWARD_BINDING(stage)                        \
+// The context and the operands both targets start with.
+#define FASTATTN_CUDA_OPERANDS(stage)                                \
   ffi::Ffi::Bind<stage>()                                           \
       .Ctx<ffi::PlatformStream<cu::CUstream>>()                     \
       .Ctx<ffi::State<SiteState>>()                                 \
@@ -488,7 +489,17 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
       .Arg<ffi::Buffer<ffi::F32>>()  /* bias or empty */            \
       .Arg<ffi::Buffer<ffi::PRED>>() /* mask or empty */            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* query lengths or empty */   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */     \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */
+
+#define FASTATTN_CUDA_BINDING(stage)                                 \
+  FASTATTN_CUDA_OPERANDS(stage)                                     \
+      .Ret<ffi::AnyBuffer>()         /* out */                      \
+      .Ret<ffi::Buffer<ffi::F32>>()  /* lse */                      \
+      .Ret<ffi::Buffer<ffi::F32>>()  /* split-KV workspace */       \
+      .Attrs<CallAttrs>()
+
+#define FASTATTN_CUDA_BACKWARD_BINDING(stage)                        \
+  FASTATTN_CUDA_OPERANDS(stage)                                     \
       .Arg<ffi::AnyBuffer>()         /* d_out */                    \
       .Arg<ffi::Buffer<ffi::F32>>()  /* lse */                      \
       .Arg<ffi::Buffer<ffi::F32>>()  /* delta: rowsum(dO o O) - dLSE */ \
@@ -502,22 +513,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCudaBackwardInitialize, InitializeBackwar
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCudaBackwardExecute, ExecuteBackwardImpl,
                               FASTATTN_CUDA_BACKWARD_BINDING(ffi::ExecutionStage::kExecute),
                               {ffi::Traits::kCmdBufferCompatible});
-
-#define FASTATTN_CUDA_BINDING(stage)                                 \
-  ffi::Ffi::Bind<stage>()                                           \
-      .Ctx<ffi::PlatformStream<cu::CUstream>>()                     \
-      .Ctx<ffi::State<SiteState>>()                                 \
-      .Arg<ffi::AnyBuffer>()         /* query */                    \
-      .Arg<ffi::AnyBuffer>()         /* key */                      \
-      .Arg<ffi::AnyBuffer>()         /* value */                    \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* bias or empty */            \
-      .Arg<ffi::Buffer<ffi::PRED>>() /* mask or empty */            \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* query lengths or empty */   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */     \
-      .Ret<ffi::AnyBuffer>()         /* out */                      \
-      .Ret<ffi::Buffer<ffi::F32>>()  /* lse */                      \
-      .Ret<ffi::Buffer<ffi::F32>>()  /* split-KV workspace */       \
-      .Attrs<CallAttrs>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCudaInstantiate, InstantiateImpl,
                               ffi::Ffi::Bind<ffi::ExecutionStage::kInstantiate>()

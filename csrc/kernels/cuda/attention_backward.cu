@@ -49,15 +49,7 @@ constexpr int kNo = kH / 8;                      // n8 tiles over H
 
 template <int ROWS>
 __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s, int tid) {
-#pragma unroll
-  for (int i = 0; i < (ROWS * kChunks + kThreads - 1) / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    if (ROWS * kChunks % kThreads != 0 && c >= ROWS * kChunks) break;
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
-    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
-    fa_cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
-  }
+  fa_tile_async<ROWS, kChunks, kRowBytes, kThreads>(dst, s, tid);
 }
 
 // Per-lane ldmatrix offsets (attention_mma16.cu): rows as the A operand, rows

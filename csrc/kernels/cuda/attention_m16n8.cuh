@@ -26,6 +26,26 @@ __device__ __forceinline__ void fa_ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
       : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+#if __CUDA_ARCH__ >= 800
+// cp.async of a tile's ROWS rows into shared memory at dst, rows kRowBytes
+// apart, each of kChunks 16-byte chunks, by kThreads threads (tid): rows
+// past s.rows_valid and columns past s.cols land as zeros.
+template <int ROWS, int kChunks, int kRowBytes, int kThreads>
+__device__ __forceinline__ void fa_tile_async(unsigned dst, const FaTileSrc& s, int tid) {
+#pragma unroll
+  for (int i = 0; i < (ROWS * kChunks + kThreads - 1) / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    if (ROWS * kChunks % kThreads != 0 && c >= ROWS * kChunks) break;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
+    // 32-bit offsets: a tile spans < 2^31 elements, and 64-bit ones per
+    // chunk would pin dozens of registers across the loop.
+    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
+    fa_cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
+  }
+}
+#endif
+
 // c += a (16x16, row) * b (16x8, col) in float32.
 __device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
                                          unsigned b0, unsigned b1) {

@@ -59,19 +59,8 @@ struct alignas(16) U4 {
 
 #if FA_KERNEL_SM == 80
 template <int ROWS>
-__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
-                                           int tid) {
-#pragma unroll
-  for (int i = 0; i < (ROWS * kChunks + kThreads - 1) / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    if (ROWS * kChunks % kThreads != 0 && c >= ROWS * kChunks) break;
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
-    // 32-bit offsets: a tile spans < 2^31 elements, and 64-bit ones per
-    // chunk would pin dozens of registers across the loop.
-    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
-    fa_cp_async16(dst + r * kRowBytes + ch * 16, src, ok);
-  }
+__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s, int tid) {
+  fa_tile_async<ROWS, kChunks, kRowBytes, kThreads>(dst, s, tid);
 }
 #endif
 
