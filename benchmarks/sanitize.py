@@ -1,0 +1,76 @@
+"""A small workload for compute-sanitizer: the forward and the fused backward
+of each CUDA path on a few odd shapes that touch every edge of the kernels
+(T and S off the tiles, query/key lengths, causal and window rules, GQA, bias,
+mask and soft cap).
+
+Run under the sanitizer with XLA's platform allocator, so that every buffer is
+its own cudaMalloc and an access past one is caught rather than landing in the
+allocator's pool::
+
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
+      --kernel-name kns=fa_ python3 -m benchmarks.sanitize --paths cuda_sm90
+
+It prints, per case, the path and whether its backward was fused.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import attention, backends, fast_attention, resolve_implementation
+
+#: (B, T, S, N, K, H, AttentionConfig rules, bias, mask, lengths)
+CASES = (
+    (2, 97, 130, 4, 2, 64, {"is_causal": True}, False, False, False),
+    (2, 70, 200, 8, 1, 128, {"window": (37, 5)}, False, False, True),
+    (1, 33, 90, 4, 4, 40, {}, False, False, True),
+    (2, 65, 129, 4, 2, 96, {"softcap": 20.0}, True, True, True),
+)
+
+#: fast_attention's name of each AttentionConfig rule above.
+KWARGS = {"is_causal": "is_causal", "window": "local_window_size",
+          "softcap": "logits_soft_cap"}
+
+
+def run_case(path, case, dtype) -> str:
+  B, T, S, N, K, H, rules, with_bias, with_mask, with_lengths = case
+  opts = {KWARGS[name]: value for name, value in rules.items()}
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), dtype)
+             for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+  bias = jnp.asarray(rng.standard_normal((1, N, T, S)), dtype) if with_bias else None
+  mask = jnp.asarray(rng.random((B, 1, T, S)) > 0.2) if with_mask else None
+  lengths = {}
+  if with_lengths:
+    lengths = {"query_seq_lengths": jnp.asarray([T, T // 2 + 1][:B], jnp.int32),
+               "key_value_seq_lengths": jnp.asarray([S - 3, S // 3][:B], jnp.int32)}
+
+  def loss(q, k, v):
+    out = fast_attention(q, k, v, bias, mask, implementation=path, **opts, **lengths)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  jax.block_until_ready(grads)
+  finite = all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  config = attention.AttentionConfig(scale=H ** -0.5, **rules)
+  fused = backends.fused_backward(resolve_implementation(path, dtype=dtype, head_dim=H),
+                                  config, q.shape, k.shape, dtype, with_bias, with_mask)
+  return f"B={B} T={T} S={S} N={N} K={K} H={H} {opts} fused={fused} finite={finite}"
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--paths", default="cuda_sm90,cuda_sm80,cuda_sm75,cuda_sm70")
+  parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
+  args = parser.parse_args(argv)
+  for path in args.paths.split(","):
+    for case in CASES:
+      print(path, run_case(path, case, jnp.dtype(args.dtype)), flush=True)
+
+
+if __name__ == "__main__":
+  main()
