@@ -10,6 +10,7 @@ from jax.test_util import check_grads
 
 import fa_testutil as tu
 from fastattn_jax import backends, fast_attention, resolve_implementation
+from fastattn_jax.attention import AttentionConfig
 
 B, T, S, N, K, H = 2, 19, 23, 4, 2, 16
 # Same computation, different batching/shapes: agreement up to float32
@@ -217,6 +218,14 @@ def test_grads_with_lse_match_jax_nn(name, rng, impl):
 
 @pytest.mark.parametrize("name", list(GRAD_OPTS))
 def test_float32_grads_match_xla_path(name, rng, impl):
+  """float32 gradients are XLA's to 1e-5 where the backward computes in
+  float32 (the CPU kernel, the blockwise jax.numpy backward of the paths
+  without a fused one)."""
+  path = resolve_implementation(impl, dtype=jnp.float32, head_dim=H)
+  if tu.computed_dtype(path, "float32") != "float32" and backends.fused_backward(
+      path, AttentionConfig(scale=0.25), (B, T, N, H), (B, S, K, H), jnp.float32, bias=True):
+    pytest.skip("this path's backward kernels multiply float32 in float16, as its forward "
+                "does: test_backward holds them to XLA's gradients of inputs so rounded")
   q, k, v = tu.qkv(rng, B, T, S, N, K, H)
   bias = tu.random_bias(rng, (B, 1, T, S))
   opts = _opts(name)

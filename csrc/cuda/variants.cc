@@ -54,10 +54,12 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
-    if (backward != 1 || kernel_sm != 80 || decode_rows || head_dim > kFaMaxBackwardHeadDim) {
-      return "the backward kernels are built for sm 80, up to H=" +
+    if (backward != 1 || (kernel_sm != 75 && kernel_sm != 80) || decode_rows ||
+        head_dim > kFaMaxBackwardHeadDim) {
+      return "the backward kernels are built for sm 75 and 80, up to H=" +
              std::to_string(kFaMaxBackwardHeadDim);
     }
+    if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
     return "";
   }
   if (decode_rows) {
@@ -93,7 +95,7 @@ std::vector<std::string> KernelVariant::Defines() const {
 }
 
 FaTile KernelVariant::Tile(int arch) const {
-  return backward      ? fa_backward_tile(head_dim)
+  return backward      ? fa_backward_tile(kernel_sm, head_dim)
        : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
                      : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
 }
@@ -134,17 +136,18 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const int64_t G = c.N / c.K;
   if (c.backward) {
     const FaRules& r = c.rules;
-    if (kernel_sm < 80) return "no backward kernel for sm" + std::to_string(kernel_sm);
+    const int kernel = BackwardKernel(kernel_sm);
+    if (!kernel) return "no backward kernel for sm" + std::to_string(kernel_sm);
     plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
     KernelVariant& v = plan->variant;
     v.backward = 1;
-    v.kernel_sm = 80;
-    v.head_dim = fa_kernel_head_dim(80, plan->row_elements);
+    v.kernel_sm = kernel;
+    v.head_dim = fa_kernel_head_dim(kernel, plan->row_elements);
     if (v.head_dim > kFaMaxBackwardHeadDim) {
       return "the backward kernels take head dims up to " +
              std::to_string(kFaMaxBackwardHeadDim) + ", got H=" + std::to_string(c.H);
     }
-    v.dtype = plan->operand_dtype = OperandDtype(80, c.dtype);
+    v.dtype = plan->operand_dtype = OperandDtype(kernel, c.dtype);
     v.out_dtype = c.dtype;
     v.extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
     return "";
@@ -282,6 +285,10 @@ int OperandDtype(int kernel_sm, int dtype) {
   return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
 }
 
+int BackwardKernel(int kernel_sm) {
+  return kernel_sm >= 80 ? 80 : kernel_sm == 75 ? 75 : 0;
+}
+
 int DefaultKernel(int cc, int64_t head_dim) {
   if (fa_runs_on(90, cc) && fa_kernel_head_dim(90, head_dim) == fa_kernel_head_dim(80, head_dim)) {
     return 90;
@@ -312,12 +319,13 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
           add(v);
         }
         for (int extras : {0, 1}) {
-          if (kernel_sm != 80 || fa_kernel_head_dim(80, h) > kFaMaxBackwardHeadDim) break;
+          const int kernel = BackwardKernel(kernel_sm);
+          if (!kernel || fa_kernel_head_dim(kernel, h) > kFaMaxBackwardHeadDim) break;
           KernelVariant v;
           v.backward = 1;
-          v.kernel_sm = 80;
-          v.head_dim = fa_kernel_head_dim(80, h);
-          v.dtype = OperandDtype(80, dtype);
+          v.kernel_sm = kernel;
+          v.head_dim = fa_kernel_head_dim(kernel, h);
+          v.dtype = OperandDtype(kernel, dtype);
           v.out_dtype = dtype;
           v.extras = extras;
           add(v);

@@ -29,7 +29,7 @@ struct KernelVariant {
   int out_dtype = kF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
-  int backward = 0;     // 1: the backward kernels (kernel_sm 80)
+  int backward = 0;     // 1: the backward kernels (kernel_sm 75 or 80)
 
   // "sm80 H=128 bf16->bf16", "... extras", "decode sm80 rows=4 ...": for logs.
   std::string Describe() const;
@@ -107,6 +107,11 @@ int MaxBlocksPerSm(const FaTile& tile, int arch);
 // decode kernel reads bfloat16 on every arch (CallPlan says which applies).
 int OperandDtype(int kernel_sm, int dtype);
 
+// The backward kernel (attention_backward.cu) of the path of forward kernel
+// `kernel_sm`: 80 for paths 80 and 90 (no wgmma backward yet), 75 for 75, 0
+// for 70 (none: its gradients come from reference.attention_grads).
+int BackwardKernel(int kernel_sm);
+
 // The kernel `implementation=None` runs on a GPU of compute capability `cc`
 // (10 * major + minor) for head dim H: the newest that runs there, except
 // that 90 takes only H whose 32-multiple is a 64-multiple (it would compute
@@ -117,7 +122,7 @@ int DefaultKernel(int cc, int64_t head_dim);
 // capability `cc`: every kernel the GPU runs, at each head dim (rounded as
 // the kernel rounds it) and input dtype (kF16, kBF16; output alike), with
 // and without extras, the decode kernel at each rows per block, and the
-// backward kernels (kernel 80, head dims up to kFaMaxBackwardHeadDim).
+// backward kernels (BackwardKernel, head dims up to kFaMaxBackwardHeadDim).
 std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,
                                            const std::vector<int>& dtypes);
 

@@ -1,5 +1,6 @@
-// Fused attention backward on 16-bit tensor cores (kernel 80: mma.m16n8k16,
-// fp16/bf16, cp.async): FlashAttention-2's backward (Dao 2023, Algorithm 2)
+// Fused attention backward on 16-bit tensor cores, kernel 80 (mma.m16n8k16,
+// fp16/bf16, cp.async) and kernel 75 (fp16, each k16 step as two
+// mma.m16n8k8, loads through registers; attention_m16n8.cuh): FlashAttention-2's backward (Dao 2023, Algorithm 2)
 // as two kernels that write disjoint outputs, so every sum has one order
 // (deterministic, no atomics):
 //
@@ -16,7 +17,8 @@
 //                     so P^T and dS^T feed the next products from registers
 //                     (fa_pack_a), as P does P V in the forward.
 //   fa_backward_dq    a block owns Br = 64 query rows of one (batch, head),
-//                     16 per warp, and walks the key tiles they see:
+//                     16 per warp, and walks the key tiles they see
+//                     (fa_backward_dq_keys at a time):
 //                       S = Q K^T, P, dP = dO V^T, dS = P (dP - D),
 //                       dQ += dS K          (A: dS from the accumulators)
 //                     S and dP are computed twice (once per kernel): 7
@@ -30,8 +32,11 @@
 // Shared-memory rows are padded by 16 bytes as in attention_mma16.cu.
 #include "attention_m16n8.cuh"
 
-#if FA_KERNEL_SM != 80
-#error "attention_backward.cu is built as kernel 80"
+#if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
+#error "attention_backward.cu is built as kernel 75 or 80"
+#endif
+#if FA_KERNEL_SM == 75 && FA_DTYPE != 0
+#error "kernel 75 is float16 only"
 #endif
 
 namespace {
@@ -39,17 +44,46 @@ namespace {
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kRowBytes = kH * 2 + 16;
 constexpr int kChunks = kH / 8;
-constexpr FaTile kTile = fa_backward_tile(kH);
+constexpr FaTile kTile = fa_backward_tile(FA_KERNEL_SM, kH);
 constexpr int kThreads = kTile.threads;
 constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per block
 constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block
-constexpr int kBq = fa_backward_query_rows(kH);  // fa_backward_dkdv: rows per step
+constexpr int kBcq = fa_backward_dq_keys(FA_KERNEL_SM, kH);  // fa_backward_dq: keys per step
+constexpr int kBq = fa_backward_query_rows(FA_KERNEL_SM, kH);  // fa_backward_dkdv: rows per step
 constexpr int kKs = kH / 16;                     // k16 steps over H
 constexpr int kNo = kH / 8;                      // n8 tiles over H
 
+// ROWS rows of a tile into shared memory at dst (smem: the block's base):
+// by cp.async on kernel 80, landed after loads_commit and loads_wait; through
+// registers on kernel 75, landed on return, 16 rows at a time (8 registers a
+// lane at H = 128: a whole 32-row step of Q took 16 and made
+// fa_backward_dkdv spill beside dK and dV).
 template <int ROWS>
-__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s, int tid) {
+__device__ __forceinline__ void tile_load(unsigned char* smem, unsigned dst, const FaTileSrc& s,
+                                          int tid) {
+#if FA_KERNEL_SM == 80
   fa_tile_async<ROWS, kChunks, kRowBytes, kThreads>(dst, s, tid);
+#else
+  constexpr int kPiece = 16;
+  static_assert(ROWS % kPiece == 0, "tiles of whole 16-row pieces");
+  unsigned char* base = smem + (dst - fa_smem_u32(smem));
+#pragma unroll 1
+  for (int r0 = 0; r0 < ROWS; r0 += kPiece) {
+    FaTileRegs<kPiece, kChunks, kRowBytes, kThreads> r;
+    r.load(FaTileSrc{s.base + r0 * s.ld, s.ld, s.rows_valid - r0, s.cols}, tid);
+    r.store(base + r0 * kRowBytes, tid);
+  }
+#endif
+}
+__device__ __forceinline__ void loads_commit() {
+#if FA_KERNEL_SM == 80
+  fa_cp_async_commit();
+#endif
+}
+__device__ __forceinline__ void loads_wait() {
+#if FA_KERNEL_SM == 80
+  fa_cp_async_wait<0>();
+#endif
 }
 
 // Per-lane ldmatrix offsets (attention_mma16.cu): rows as the A operand, rows
@@ -203,31 +237,31 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int j1 = min(j0 + kBc, kv_len);
   if (j0 < kv_len) {
     const long long kv_at = fa_at(p.kv_stride, b, j0, kvh);
-    tile_async<kBc>(sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
+    tile_load<kBc>(smem, sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
                                   p.kv_stride[1], kv_len - j0, p.H}, tid);
-    tile_async<kBc>(sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
+    tile_load<kBc>(smem, sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
                                   p.kv_stride[1], kv_len - j0, p.H}, tid);
-    fa_cp_async_commit();
+    loads_commit();
     for (int n = kvh * G; n < (kvh + 1) * G; ++n) {
       for (int i0 = 0; i0 < q_len; i0 += kBq) {
         int lo, hi;
         fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
         if (hi <= j0 || lo >= j1) continue;  // the same for every thread
         __syncthreads();  // the previous step is done with sq, sdo and the rows' scalars
-        tile_async<kBq>(sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
+        tile_load<kBq>(smem, sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
                                           fa_at(p.q_stride, b, i0, n),
                                       p.q_stride[1], q_len - i0, p.H}, tid);
-        tile_async<kBq>(sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
+        tile_load<kBq>(smem, sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
                                            fa_at(p.out_stride, b, i0, n),
                                        p.out_stride[1], q_len - i0, p.H}, tid);
-        fa_cp_async_commit();
+        loads_commit();
         for (int r = tid; r < kBq; r += kThreads) {
           const bool live = i0 + r < q_len;
           const long long at = fa_at(p.lse_stride, b, i0 + r, n);
           s_lse[r] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
           s_delta[r] = live ? p.delta[at] : 0.f;
         }
-        fa_cp_async_wait<0>();
+        loads_wait();
         __syncthreads();
         if (wk0 >= j1 || hi <= wk0 || lo >= wk1) continue;  // no key of this warp is seen
 
@@ -253,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  fa_cp_async_wait<0>();  // K and V, where no query row took them
+  loads_wait();  // K and V, where no query row took them
   write_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
   write_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
 }
@@ -263,12 +297,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const FaBlock blk = fa_block(p, kBr, kBc);
+  const FaBlock blk = fa_block(p, kBr, kBcq);
   const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
   const int q_len = blk.q_len, kv_len = blk.kv_len;
 
   const unsigned sq = fa_smem_u32(smem), sdo = sq + kBr * kRowBytes;
-  const unsigned sk = sdo + kBr * kRowBytes, sv = sk + kBc * kRowBytes;
+  const unsigned sk = sdo + kBr * kRowBytes, sv = sk + kBcq * kRowBytes;
 
   const int w0 = m0 + 16 * warp, w1 = w0 + 16;
   int wlo, whi;
@@ -286,31 +320,31 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < kNo; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
 
   if (blk.t_end > blk.t_begin) {
-    tile_async<kBr>(sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
+    tile_load<kBr>(smem, sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
                                       fa_at(p.q_stride, b, m0, n),
                                   p.q_stride[1], q_len - m0, p.H}, tid);
-    tile_async<kBr>(sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
+    tile_load<kBr>(smem, sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
                                        fa_at(p.out_stride, b, m0, n),
                                    p.out_stride[1], q_len - m0, p.H}, tid);
     for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
-      const int n0 = tile * kBc;
+      const int n0 = tile * kBcq;
       __syncthreads();  // the previous tile's K and V are no longer read
       const long long kv_at = fa_at(p.kv_stride, b, n0, kvh);
-      tile_async<kBc>(sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
+      tile_load<kBcq>(smem, sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
                                     p.kv_stride[1], kv_len - n0, p.H}, tid);
-      tile_async<kBc>(sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
+      tile_load<kBcq>(smem, sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
                                     p.kv_stride[1], kv_len - n0, p.H}, tid);
-      fa_cp_async_commit();
-      fa_cp_async_wait<0>();
+      loads_commit();
+      loads_wait();
       __syncthreads();
-      if (n0 >= whi || n0 + kBc <= wlo) continue;  // this warp's rows see none of the tile
+      if (n0 >= whi || n0 + kBcq <= wlo) continue;  // this warp's rows see none of the tile
 
-      float s[kBc / 8][4], dp[kBc / 8][4];
-      rows_times_rows<kBc>(sq + a_offset(16 * warp, lane), sk, lane, s);
-      rows_times_rows<kBc>(sdo + a_offset(16 * warp, lane), sv, lane, dp);
-      const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc);
+      float s[kBcq / 8][4], dp[kBcq / 8][4];
+      rows_times_rows<kBcq>(sq + a_offset(16 * warp, lane), sk, lane, s);
+      rows_times_rows<kBcq>(sdo + a_offset(16 * warp, lane), sv, lane, dp);
+      const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBcq);
 #pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt)
+      for (int nt = 0; nt < kBcq / 8; ++nt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -321,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
                         delta[h], &pe, &dp[nt][2 * h + e]);
           }
-      accumulate<kBc>(dp, sk, lane, dq);
+      accumulate<kBcq>(dp, sk, lane, dq);
     }
   }
   write_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);

@@ -46,6 +46,37 @@ __device__ __forceinline__ void fa_tile_async(unsigned dst, const FaTileSrc& s, 
 }
 #endif
 
+struct alignas(16) FaU4 {
+  unsigned x, y, z, w;
+};
+
+// A tile's ROWS rows, global -> registers -> shared, for kernel 75 (no
+// cp.async): rows and columns as fa_tile_async lays them out. load() and
+// store() apart, so that math can hide the loads' latency.
+template <int ROWS, int kChunks, int kRowBytes, int kThreads>
+struct FaTileRegs {
+  static constexpr int kN = (ROWS * kChunks + kThreads - 1) / kThreads;
+  FaU4 v[kN];
+  __device__ __forceinline__ void load(const FaTileSrc& s, int tid) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      int c = tid + i * kThreads;
+      const int r = c / kChunks, ch = c % kChunks;
+      v[i] = FaU4{0, 0, 0, 0};
+      if (c < ROWS * kChunks && r < s.rows_valid && ch * 8 < s.cols)
+        v[i] = *reinterpret_cast<const FaU4*>(s.base + r * (int)s.ld + ch * 8);
+    }
+  }
+  __device__ __forceinline__ void store(unsigned char* dst, int tid) const {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      int c = tid + i * kThreads;
+      if (c < ROWS * kChunks)
+        *reinterpret_cast<FaU4*>(dst + (c / kChunks) * kRowBytes + (c % kChunks) * 16) = v[i];
+    }
+  }
+};
+
 // c += a (16x16, row) * b (16x8, col) in float32.
 __device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
                                          unsigned b0, unsigned b1) {

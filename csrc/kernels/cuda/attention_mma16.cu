@@ -53,10 +53,6 @@ constexpr int kNs = kBc / 8;   // n8 tiles of S
 constexpr int kNo = kH / 8;    // n8 tiles of O
 
 
-struct alignas(16) U4 {
-  unsigned x, y, z, w;
-};
-
 #if FA_KERNEL_SM == 80
 template <int ROWS>
 __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s, int tid) {
@@ -66,29 +62,7 @@ __device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s, int
 
 // Global -> registers -> shared, for the path without cp.async.
 template <int ROWS>
-struct TileRegs {
-  static constexpr int kN = (ROWS * kChunks + kThreads - 1) / kThreads;
-  U4 v[kN];
-  __device__ __forceinline__ void load(const FaTileSrc& s, int tid) {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      int c = tid + i * kThreads;
-      const int r = c / kChunks, ch = c % kChunks;
-      v[i] = U4{0, 0, 0, 0};
-      if (c < ROWS * kChunks && r < s.rows_valid && ch * 8 < s.cols)
-        v[i] = *reinterpret_cast<const U4*>(s.base + r * (int)s.ld + ch * 8);
-    }
-  }
-  __device__ __forceinline__ void store(unsigned char* dst, int tid) const {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      int c = tid + i * kThreads;
-      if (c < ROWS * kChunks)
-        *reinterpret_cast<U4*>(dst + (c / kChunks) * kRowBytes +
-                               (c % kChunks) * 16) = v[i];
-    }
-  }
-};
+using TileRegs = FaTileRegs<ROWS, kChunks, kRowBytes, kThreads>;
 
 }  // namespace
 

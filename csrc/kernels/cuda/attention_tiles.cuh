@@ -160,22 +160,33 @@ FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
 // per block, one block per unit.
 constexpr int kFaMergeThreads = 128;
 
-// --- attention_backward.cu (kernel 80) ------------------------------------------------
+// --- attention_backward.cu (kernels 75 and 80) ---------------------------------------
 
 // The largest head dim of the backward kernels: a fa_backward_dkdv lane holds
 // dK and dV, H / 2 registers each.
 constexpr int kFaMaxBackwardHeadDim = 128;
 // fa_backward_dkdv's query rows per step: 64 up to H = 64, 32 above (S^T and
-// dP^T take rows / 4 registers each per lane, on top of dK and dV).
-FA_TILE_FN int fa_backward_query_rows(int h) { return h <= 64 ? 64 : 32; }
+// dP^T take rows / 4 registers each per lane, on top of dK and dV), 16 on
+// kernel 75 above H = 96 (at 32 its loads through registers spilled 20 bytes).
+FA_TILE_FN int fa_backward_query_rows(int kernel_sm, int h) {
+  return h <= 64 ? 64 : kernel_sm == 75 && h > 96 ? 16 : 32;
+}
+// fa_backward_dq's shared memory with `keys` keys per step: Br = 64 rows of Q
+// and dO, one tile of K and V. Rows padded by 16 bytes (attention_mma16.cu).
+FA_TILE_FN int fa_backward_dq_smem(int h, int keys) { return (2 * 64 + 2 * keys) * (2 * h + 16); }
+// fa_backward_dq's keys per step: 64, or 32 where kernel 75's 64 KB would not
+// hold 64 (H = 128: 256 rows of 272 bytes, 68 KB).
+FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
+  return kernel_sm == 75 && fa_backward_dq_smem(h, 64) > fa_mma16_smem_budget(75, 750) ? 32 : 64;
+}
 // Both backward kernels run 4 warps: fa_backward_dq on Br = 64 query rows
-// (16 per warp) holding Q, dO and one K and V tile of Bc = 64 keys;
-// fa_backward_dkdv on Bc = 64 keys holding K, V, one step's Q and dO, and
-// its rows' LSE and D. Rows padded by 16 bytes (attention_mma16.cu).
-FA_TILE_FN FaTile fa_backward_tile(int h) {
-  const int row = 2 * h + 16, rows = fa_backward_query_rows(h);
-  const int dq = 4 * 64 * row;
-  const int dkdv = (2 * 64 + 2 * rows) * row + 2 * rows * 4;
+// (16 per warp) holding Q, dO and one K and V tile of fa_backward_dq_keys;
+// fa_backward_dkdv on Bc = 64 keys (block_n) holding K, V, one step's Q and
+// dO, and its rows' LSE and D.
+FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
+  const int rows = fa_backward_query_rows(kernel_sm, h);
+  const int dq = fa_backward_dq_smem(h, fa_backward_dq_keys(kernel_sm, h));
+  const int dkdv = (2 * 64 + 2 * rows) * (2 * h + 16) + 2 * rows * 4;
   return FaTile{64, 64, 128, dq > dkdv ? dq : dkdv};
 }
 
