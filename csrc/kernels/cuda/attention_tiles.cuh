@@ -160,7 +160,7 @@ FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
 // per block, one block per unit.
 constexpr int kFaMergeThreads = 128;
 
-// --- attention_backward.cu (kernels 75 and 80) ---------------------------------------
+// --- attention_backward.cu (kernels 75, 80), attention_backward_volta.cu (70) ---------
 
 // The largest head dim of the backward kernels: a fa_backward_dkdv lane holds
 // dK and dV, H / 2 registers each.
@@ -183,7 +183,26 @@ FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
 // (16 per warp) holding Q, dO and one K and V tile of fa_backward_dq_keys;
 // fa_backward_dkdv on Bc = 64 keys (block_n) holding K, V, one step's Q and
 // dO, and its rows' LSE and D.
+// Kernel 70's (attention_backward_volta.cu): fa_backward_dkdv's row groups
+// of 8 keys per warp, 4 up to H = 64, 2 above (quad pairs then split the
+// columns of dK and dV, as the forward's O does above H = 128, keeping the
+// two at 128 registers); its query rows per step; fa_backward_dq's keys per
+// step, 32 up to H = 64, 16 above (S and dP take a register per key each
+// beside dQ's H).
+FA_TILE_FN int fa_volta_backward_key_groups(int h) { return h <= 64 ? 4 : 2; }
+constexpr int kFaVoltaBackwardQueryRows = 16;
+FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
+
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
+  if (kernel_sm == 70) {
+    const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
+    const int rows = kFaVoltaBackwardQueryRows;
+    const int dkdv =
+        2 * fa_volta_tile_bytes(bc, h) + 2 * fa_volta_tile_bytes(rows, h) + 2 * rows * 4;
+    const int dq =
+        2 * fa_volta_tile_bytes(br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
+    return FaTile{br, bc, 128, dq > dkdv ? dq : dkdv};
+  }
   const int rows = fa_backward_query_rows(kernel_sm, h);
   const int dq = fa_backward_dq_smem(h, fa_backward_dq_keys(kernel_sm, h));
   const int dkdv = (2 * 64 + 2 * rows) * (2 * h + 16) + 2 * rows * 4;
