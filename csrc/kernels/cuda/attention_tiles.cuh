@@ -171,22 +171,31 @@ constexpr int kFaMaxBackwardHeadDim = 128;
 FA_TILE_FN int fa_backward_query_rows(int kernel_sm, int h) {
   return h <= 64 ? 64 : kernel_sm == 75 && h > 96 ? 16 : 32;
 }
+// Steps whose tiles are in shared memory at once, in both backward kernels:
+// two on kernel 80 (cp.async fills the next while the current computes), one
+// on 75 (its loads go through registers).
+FA_TILE_FN int fa_backward_stages(int kernel_sm) { return kernel_sm == 80 ? 2 : 1; }
 // fa_backward_dq's shared memory with `keys` keys per step: Br = 64 rows of Q
-// and dO, one tile of K and V. Rows padded by 16 bytes (attention_mma16.cu).
-FA_TILE_FN int fa_backward_dq_smem(int h, int keys) { return (2 * 64 + 2 * keys) * (2 * h + 16); }
+// and dO, the stages' K and V tiles. Rows padded by 16 bytes
+// (attention_mma16.cu).
+FA_TILE_FN int fa_backward_dq_smem(int kernel_sm, int h, int keys) {
+  return (2 * 64 + 2 * fa_backward_stages(kernel_sm) * keys) * (2 * h + 16);
+}
 // fa_backward_dq's keys per step: 64, or 32 where kernel 75's 64 KB would not
 // hold 64 (H = 128: 256 rows of 272 bytes, 68 KB).
 FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
-  return kernel_sm == 75 && fa_backward_dq_smem(h, 64) > fa_mma16_smem_budget(75, 750) ? 32 : 64;
+  return kernel_sm == 75 && fa_backward_dq_smem(75, h, 64) > fa_mma16_smem_budget(75, 750) ? 32
+                                                                                             : 64;
 }
 // Both backward kernels run 4 warps: fa_backward_dq on Br = 64 query rows
-// (16 per warp) holding Q, dO and one K and V tile of fa_backward_dq_keys;
-// fa_backward_dkdv on Bc = 64 keys (block_n) holding K, V, one step's Q and
-// dO, and its rows' LSE and D.
+// (16 per warp) holding Q, dO and the stages' K and V tiles of
+// fa_backward_dq_keys;
+// fa_backward_dkdv on Bc = 64 keys (block_n) holding K, V, and the stages'
+// Q and dO rows and their LSE and D.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
-  const int rows = fa_backward_query_rows(kernel_sm, h);
-  const int dq = fa_backward_dq_smem(h, fa_backward_dq_keys(kernel_sm, h));
-  const int dkdv = (2 * 64 + 2 * rows) * (2 * h + 16) + 2 * rows * 4;
+  const int rows = fa_backward_query_rows(kernel_sm, h), stages = fa_backward_stages(kernel_sm);
+  const int dq = fa_backward_dq_smem(kernel_sm, h, fa_backward_dq_keys(kernel_sm, h));
+  const int dkdv = (2 * 64 + 2 * stages * rows) * (2 * h + 16) + 2 * stages * rows * 4;
   return FaTile{64, 64, 128, dq > dkdv ? dq : dkdv};
 }
 
