@@ -171,18 +171,22 @@ constexpr int kFaMaxBackwardHeadDim = 128;
 FA_TILE_FN int fa_backward_query_rows(int kernel_sm, int h) {
   return h <= 64 ? 64 : kernel_sm == 75 && h > 96 ? 16 : 32;
 }
+// Steps whose tiles are in shared memory at once, in both backward kernels:
+// two on kernel 80 (cp.async fills the next while the current computes), one
+// on 75 (its loads go through registers).
+FA_TILE_FN int fa_backward_stages(int kernel_sm) { return kernel_sm == 80 ? 2 : 1; }
 // fa_backward_dq's shared memory with `keys` keys per step: Br = 64 rows of Q
-// and dO, one tile of K and V. Rows padded by 16 bytes (attention_mma16.cu).
-FA_TILE_FN int fa_backward_dq_smem(int h, int keys) { return (2 * 64 + 2 * keys) * (2 * h + 16); }
+// and dO, the stages' K and V tiles. Rows padded by 16 bytes
+// (attention_mma16.cu).
+FA_TILE_FN int fa_backward_dq_smem(int kernel_sm, int h, int keys) {
+  return (2 * 64 + 2 * fa_backward_stages(kernel_sm) * keys) * (2 * h + 16);
+}
 // fa_backward_dq's keys per step: 64, or 32 where kernel 75's 64 KB would not
 // hold 64 (H = 128: 256 rows of 272 bytes, 68 KB).
 FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
-  return kernel_sm == 75 && fa_backward_dq_smem(h, 64) > fa_mma16_smem_budget(75, 750) ? 32 : 64;
+  return kernel_sm == 75 && fa_backward_dq_smem(75, h, 64) > fa_mma16_smem_budget(75, 750) ? 32
+                                                                                             : 64;
 }
-// Both backward kernels run 4 warps: fa_backward_dq on Br = 64 query rows
-// (16 per warp) holding Q, dO and one K and V tile of fa_backward_dq_keys;
-// fa_backward_dkdv on Bc = 64 keys (block_n) holding K, V, one step's Q and
-// dO, and its rows' LSE and D.
 // Kernel 70's (attention_backward_volta.cu): fa_backward_dkdv's row groups
 // of 8 keys per warp, 4 up to H = 64, 2 above (quad pairs then split the
 // columns of dK and dV, as the forward's O does above H = 128, keeping the
@@ -193,6 +197,13 @@ FA_TILE_FN int fa_volta_backward_key_groups(int h) { return h <= 64 ? 4 : 2; }
 constexpr int kFaVoltaBackwardQueryRows = 16;
 FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
 
+// The backward kernels' tile: block_m query rows per fa_backward_dq block,
+// block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
+// larger of the two. Kernels 75 and 80: fa_backward_dq on Br = 64 query rows
+// (16 per warp) holding Q, dO and the stages' K and V tiles of
+// fa_backward_dq_keys; fa_backward_dkdv on Bc = 64 keys holding K, V, and
+// the stages' Q and dO rows and their LSE and D. Kernel 70: the same in the
+// forward's padded rows (fa_volta_tile_bytes), one stage.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
   if (kernel_sm == 70) {
     const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
@@ -203,9 +214,9 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
         2 * fa_volta_tile_bytes(br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
     return FaTile{br, bc, 128, dq > dkdv ? dq : dkdv};
   }
-  const int rows = fa_backward_query_rows(kernel_sm, h);
-  const int dq = fa_backward_dq_smem(h, fa_backward_dq_keys(kernel_sm, h));
-  const int dkdv = (2 * 64 + 2 * rows) * (2 * h + 16) + 2 * rows * 4;
+  const int rows = fa_backward_query_rows(kernel_sm, h), stages = fa_backward_stages(kernel_sm);
+  const int dq = fa_backward_dq_smem(kernel_sm, h, fa_backward_dq_keys(kernel_sm, h));
+  const int dkdv = (2 * 64 + 2 * stages * rows) * (2 * h + 16) + 2 * stages * rows * 4;
   return FaTile{64, 64, 128, dq > dkdv ? dq : dkdv};
 }
 
