@@ -165,17 +165,7 @@ __device__ __forceinline__ void write_rows(void* out, const long long (&stride)[
     for (int nt = 0; nt < kNo; ++nt) {
       const int col = nt * 8 + 2 * t4;
       if (col >= H) continue;
-      const float x0 = acc[nt][2 * h] * scale, x1 = acc[nt][2 * h + 1] * scale;
-#if FA_OUT_DTYPE == 2
-      static_cast<float*>(out)[at + col] = x0;
-      static_cast<float*>(out)[at + col + 1] = x1;
-#elif FA_OUT_DTYPE == 1
-      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
-          fa_pack_bf16(x0, x1);
-#else
-      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
-          fa_pack_f16(x0, x1);
-#endif
+      fa_store_pair(out, at + col, acc[nt][2 * h] * scale, acc[nt][2 * h + 1] * scale);
     }
   }
 }

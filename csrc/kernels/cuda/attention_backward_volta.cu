@@ -82,17 +82,8 @@ __device__ __forceinline__ void write_rows(void* out, const long long (&stride)[
       for (int half = 0; half < 2; ++half) {
         const int col = volta_col_tile<kParts, kTiles>(j, part) * 8 + 4 * half + 2 * t1;
         if (col >= H) continue;
-        const float x0 = acc[j][4 * half + 2 * r] * scale;
-        const float x1 = acc[j][4 * half + 2 * r + 1] * scale;
-#if FA_OUT_DTYPE == 2
-        *reinterpret_cast<float2*>(static_cast<float*>(out) + at + col) = make_float2(x0, x1);
-#elif FA_OUT_DTYPE == 1
-        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
-            fa_pack_bf16(x0, x1);
-#else
-        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
-            fa_pack_f16(x0, x1);
-#endif
+        fa_store_pair(out, at + col, acc[j][4 * half + 2 * r] * scale,
+                      acc[j][4 * half + 2 * r + 1] * scale);
       }
   }
 }

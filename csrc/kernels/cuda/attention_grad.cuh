@@ -1,6 +1,7 @@
 // What the backward kernels (attention_backward.cu, attention_backward_volta.cu)
 // share: the probability and dS of one (query row, key) pair from its raw
-// products, with the bias, mask and soft cap of FA_EXTRAS builds.
+// products, with the bias, mask and soft cap of FA_EXTRAS builds, and the
+// store of two adjacent gradient elements.
 #pragma once
 
 #include "attention_split.cuh"
@@ -35,6 +36,17 @@ __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, flo
 #else
   *pe = seen ? fa_ex2(fmaf(qk, p.rules.scale * kFaLog2e, -lse2)) : 0.f;
   *ds = seen ? *pe * (dp - delta) : 0.f;
+#endif
+}
+
+// Elements at and after `at` (even) of a gradient array of FA_OUT_DTYPE.
+__device__ __forceinline__ void fa_store_pair(void* out, long long at, float x0, float x1) {
+#if FA_OUT_DTYPE == 2
+  *reinterpret_cast<float2*>(static_cast<float*>(out) + at) = make_float2(x0, x1);
+#elif FA_OUT_DTYPE == 1
+  *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_bf16(x0, x1);
+#else
+  *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_f16(x0, x1);
 #endif
 }
 
