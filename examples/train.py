@@ -13,8 +13,8 @@ out. Training minimizes next-byte cross-entropy with AdamW (``optax``).
 The same initial weights are trained twice on the same batches: once with
 :func:`fastattn_jax.fast_attention` (causal) and once with
 ``jax.nn.dot_product_attention`` (causal, its default implementation). The
-gradients of attention come from fast_attention's fused backward where the
-path has one (the CPU kernel) and from the reference math elsewhere. The
+gradients of attention come from fast_attention's fused backward (on CPUs;
+float32 inputs on a GPU take the "xla" path, the reference math). The
 script prints both loss curves side by side, the held-out losses and the
 median wall time of a training step of each, and checks (exit status 1 if
 not) that

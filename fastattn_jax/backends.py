@@ -22,7 +22,7 @@ except ImportError as err:
       "fastattn_jax's native extension (fastattn_jax._ffi) is missing: install "
       "the package with `pip install .` (a source checkout on sys.path, e.g. "
       "the current directory, shadows the installed package)") from err
-from fastattn_jax import cuda
+from fastattn_jax import cuda, shapes
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -191,10 +191,6 @@ def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, b
 
 
 def _cpu_operands(q, k, v, bias, mask, q_lens, kv_lens):
-  """The CPU targets' operands: absent optional ones as empty arrays (read as "none")."""
-  empty = lambda dtype: jnp.zeros((0,), dtype)
-  return (q, k, v,
-          empty(q.dtype) if bias is None else bias,
-          empty(jnp.bool_) if mask is None else mask,
-          empty(jnp.int32) if q_lens is None else q_lens,
-          empty(jnp.int32) if kv_lens is None else kv_lens)
+  """The CPU targets' operands: q, k, v, then the optional ones (the bias in
+  its own dtype)."""
+  return (q, k, v, *shapes.optional_operands(bias, mask, q_lens, kv_lens, q.dtype))

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import _ffi
+from fastattn_jax import _ffi, shapes
 from fastattn_jax.shapes import AttentionConfig
 
 #: The CUDA targets: every forward kernel, and the backward kernels; the
@@ -185,25 +185,34 @@ def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bia
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None)
   out_dtype = q.dtype
-  operand = jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]])
-  if q.dtype != operand:
-    q, k, v = (x.astype(operand) for x in (q, k, v))
-  if p["row_elements"] != H:
-    pad = [(0, 0)] * 3 + [(0, p["row_elements"] - H)]
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+  q, k, v = _kernel_rows(p, q, k, v)
   workspace = launch(p, q.shape, k.shape)["workspace_floats"]
-  empty = lambda dtype: jnp.zeros((0,), dtype)
   out, lse, _ = jax.ffi.ffi_call(TARGET, (
       jax.ShapeDtypeStruct(q.shape, out_dtype),
       jax.ShapeDtypeStruct((B, T, N), jnp.float32),
       jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
-          q, k, v,
-          empty(jnp.float32) if bias is None else bias.astype(jnp.float32),
-          empty(jnp.bool_) if mask is None else mask,
-          empty(jnp.int32) if q_lens is None else q_lens,
-          empty(jnp.int32) if kv_lens is None else kv_lens,
+          q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens),
           **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(p["fold_heads"]))
   return out[..., :H], lse
+
+
+def _kernel_rows(p: dict, *xs):
+  """``xs`` (..., H) in plan ``p``'s operand dtype and rows of its row
+  elements: converted where their dtype differs, zero-padded (a copy) where H
+  is not a multiple of 8."""
+  operand = jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]])
+  H = xs[0].shape[-1]
+  xs = [x if x.dtype == operand else x.astype(operand) for x in xs]
+  if p["row_elements"] != H:
+    pad = [(0, 0)] * (xs[0].ndim - 1) + [(0, p["row_elements"] - H)]
+    xs = [jnp.pad(x, pad) for x in xs]
+  return xs
+
+
+def _optional_operands(bias, mask, q_lens, kv_lens):
+  """The CUDA targets' optional operands (the bias in float32)."""
+  return shapes.optional_operands(None if bias is None else bias.astype(jnp.float32), mask,
+                                  q_lens, kv_lens, jnp.float32)
 
 
 def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias,
@@ -222,22 +231,13 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
            mask is not None, q_lens is not None, backward=True)
   dtypes = (q.dtype, k.dtype, v.dtype)
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-  operand = jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]])
-  q, k, v, d_out = (x.astype(operand) for x in (q, k, v, d_out))
-  if p["row_elements"] != H:
-    pad = [(0, 0)] * 3 + [(0, p["row_elements"] - H)]
-    q, k, v, d_out = (jnp.pad(x, pad) for x in (q, k, v, d_out))
-  empty = lambda dtype: jnp.zeros((0,), dtype)
+  q, k, v, d_out = _kernel_rows(p, q, k, v, d_out)
   # dQ in float32 where the dK/dV kernel adds it by atomics (variant backward 2).
   dq_dtype = jnp.float32 if p["backward"] == 2 else dtypes[0]
   grads = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(
       jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
                                                      (v, dtypes[0]))))(
-          q, k, v,
-          empty(jnp.float32) if bias is None else bias.astype(jnp.float32),
-          empty(jnp.bool_) if mask is None else mask,
-          empty(jnp.int32) if q_lens is None else q_lens,
-          empty(jnp.int32) if kv_lens is None else kv_lens,
+          q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens),
           d_out, lse, delta, **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 

@@ -210,3 +210,14 @@ def static_float(name: str, x: Any, *, positive: bool = False) -> float:
     raise ValueError(
         f"{name} must be a finite{' positive' if positive else ''} number, got {x!r}")
   return value
+
+
+def optional_operands(bias, mask, q_lens, kv_lens, empty_bias_dtype):
+  """The kernel targets' bias, mask, query lengths and key lengths operands,
+  each absent one as an empty array (the handlers read it as "none"; an empty
+  bias of ``empty_bias_dtype``)."""
+  empty = lambda dtype: jnp.zeros((0,), dtype)
+  return (empty(empty_bias_dtype) if bias is None else bias,
+          empty(jnp.bool_) if mask is None else mask,
+          empty(jnp.int32) if q_lens is None else q_lens,
+          empty(jnp.int32) if kv_lens is None else kv_lens)

@@ -136,45 +136,43 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   if (c.K < 1 || c.N % c.K != 0) return "N must be a multiple of K";
   *plan = CallPlan{};
   const int64_t G = c.N / c.K;
-  if (c.backward) {
-    const FaRules& r = c.rules;
-    const int kernel = BackwardKernel(kernel_sm);
-    plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
-    KernelVariant& v = plan->variant;
-    v.backward = kernel == 80 && !c.deterministic ? 2 : 1;
+  const FaRules& r = c.rules;
+  plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
+  KernelVariant& v = plan->variant;
+  v.out_dtype = c.dtype;
+  // Kernel `kernel` (forward or backward), on the operand dtype it multiplies in.
+  auto on_kernel = [&](int kernel) {
     v.kernel_sm = kernel;
     v.head_dim = fa_kernel_head_dim(kernel, plan->row_elements);
+    v.dtype = plan->operand_dtype = OperandDtype(kernel, c.dtype);
+  };
+  // Plain kernels take row maxima of the unscaled logits, valid for scale > 0.
+  const bool extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
+  if (c.backward) {
+    const int kernel = BackwardKernel(kernel_sm);
+    v.backward = kernel == 80 && !c.deterministic ? 2 : 1;
+    on_kernel(kernel);
     if (v.head_dim > kFaMaxBackwardHeadDim) {
       return "the backward kernels take head dims up to " +
              std::to_string(kFaMaxBackwardHeadDim) + ", got H=" + std::to_string(c.H);
     }
-    v.dtype = plan->operand_dtype = OperandDtype(kernel, c.dtype);
-    v.out_dtype = c.dtype;
-    v.extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
+    v.extras = extras;
     return "";
   }
-  const int in_dtype = c.dtype == kBF16 ? kBF16 : kF16;
-  plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
-  KernelVariant& v = plan->variant;
-  v.out_dtype = c.dtype;
   const bool operands = c.bias || c.mask || c.q_lens;
   const int rows = fa_decode_rows(c.T * G);
   if (!operands && c.S > 0 && rows > 0) {
     // The decode kernel reads bfloat16 on every arch (its sm75 build on CUDA cores).
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;
-    v.dtype = plan->operand_dtype = in_dtype;
+    v.dtype = plan->operand_dtype = c.dtype == kBF16 ? kBF16 : kF16;
     v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
     return "";
   }
-  const FaRules& r = c.rules;
   plan->fold_heads = c.T == 1 && G > 1 && !operands && r.window_left < 0 &&
                      r.window_right < 0 && (r.end_aligned || !r.causal);
-  v.kernel_sm = kernel_sm;
-  v.dtype = plan->operand_dtype = OperandDtype(kernel_sm, c.dtype);
-  v.head_dim = fa_kernel_head_dim(kernel_sm, plan->row_elements);
-  // Plain kernels take row maxima of the unscaled logits, valid for scale > 0.
-  v.extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
+  on_kernel(kernel_sm);
+  v.extras = extras;
   return "";
 }
 
@@ -304,31 +302,29 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
     }
     out.push_back(v);
   };
+  // Kernel `kernel` at head dim h for `dtype` inputs, with and without extras.
+  auto add_kernel = [&](int kernel, int backward, int dtype, int h) {
+    for (int extras : {0, 1}) {
+      KernelVariant v;
+      v.backward = backward;
+      v.kernel_sm = kernel;
+      v.head_dim = fa_kernel_head_dim(kernel, h);
+      v.dtype = OperandDtype(kernel, dtype);
+      v.out_dtype = dtype;
+      v.extras = extras;
+      add(v);
+    }
+  };
   for (int kernel_sm : {70, 75, 80, 90}) {
     if (!fa_runs_on(kernel_sm, cc)) continue;
     for (int dtype : dtypes) {
       for (int h : head_dims) {
-        for (int extras : {0, 1}) {
-          KernelVariant v;
-          v.kernel_sm = kernel_sm;
-          v.head_dim = fa_kernel_head_dim(kernel_sm, h);
-          v.dtype = OperandDtype(kernel_sm, dtype);
-          v.out_dtype = dtype;
-          v.extras = extras;
-          add(v);
-        }
+        add_kernel(kernel_sm, 0, dtype, h);
         const int kernel = BackwardKernel(kernel_sm);
-        for (int backward = 1; backward <= (kernel == 80 ? 2 : 1); ++backward) {
-          for (int extras : {0, 1}) {
-            if (fa_kernel_head_dim(kernel, h) > kFaMaxBackwardHeadDim) break;
-            KernelVariant v;
-            v.backward = backward;
-            v.kernel_sm = kernel;
-            v.head_dim = fa_kernel_head_dim(kernel, h);
-            v.dtype = OperandDtype(kernel, dtype);
-            v.out_dtype = dtype;
-            v.extras = extras;
-            add(v);
+        if (fa_kernel_head_dim(kernel, h) <= kFaMaxBackwardHeadDim) {
+          // The fixed-order build, and kernel 80's atomic-dQ build.
+          for (int backward = 1; backward <= (kernel == 80 ? 2 : 1); ++backward) {
+            add_kernel(kernel, backward, dtype, h);
           }
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
