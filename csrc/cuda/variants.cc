@@ -33,7 +33,7 @@ std::string KernelVariant::Describe() const {
   const std::string types = std::string(DtypeName(dtype)) + "->" + DtypeName(out_dtype);
   if (backward) {
     return "backward sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " +
-           types + (extras ? " extras" : "") + (backward == 2 ? " atomic-dQ" : "");
+           types + (extras ? " extras" : "");
   }
   if (decode_rows) {
     return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
@@ -54,10 +54,9 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
-    if ((backward != 1 && !(backward == 2 && kernel_sm == 80)) ||
-        (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80) || decode_rows ||
+    if (backward != 1 || (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80) || decode_rows ||
         head_dim > kFaMaxBackwardHeadDim) {
-      return "the backward kernels are built for sm 70, 75 and 80 (atomic dQ: 80), up to H=" +
+      return "the backward kernels are built for sm 70, 75 and 80, up to H=" +
              std::to_string(kFaMaxBackwardHeadDim);
     }
     if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
@@ -92,12 +91,11 @@ std::vector<std::string> KernelVariant::Defines() const {
                                 "-DFA_OUT_DTYPE=" + std::to_string(out_dtype)};
   d.push_back(decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(decode_rows)
                           : "-DFA_EXTRAS=" + std::to_string(extras));
-  if (backward) d.push_back("-DFA_ATOMIC_DQ=" + std::to_string(backward == 2));
   return d;
 }
 
 FaTile KernelVariant::Tile(int arch) const {
-  return backward      ? fa_backward_tile(kernel_sm, head_dim, backward == 2)
+  return backward      ? fa_backward_tile(kernel_sm, head_dim)
        : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
                      : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
 }
@@ -150,7 +148,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const bool extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
   if (c.backward) {
     const int kernel = BackwardKernel(kernel_sm);
-    v.backward = kernel == 80 && !c.deterministic ? 2 : 1;
+    v.backward = 1;
     on_kernel(kernel);
     if (v.head_dim > kFaMaxBackwardHeadDim) {
       return "the backward kernels take head dims up to " +
@@ -208,7 +206,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
   if (v.backward) {
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
-    l.units = v.backward == 2 ? 0 : fa_forward_units(dims, l.tile.block_m);
+    l.units = fa_forward_units(dims, l.tile.block_m);
     l.blocks = CeilDiv(S, l.tile.block_n) * K * B;
   } else if (v.decode_rows) {
     // The lean partition of the B * K heads' key steps (at most ceil(S /
@@ -322,10 +320,7 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
         add_kernel(kernel_sm, 0, dtype, h);
         const int kernel = BackwardKernel(kernel_sm);
         if (fa_kernel_head_dim(kernel, h) <= kFaMaxBackwardHeadDim) {
-          // The fixed-order build, and kernel 80's atomic-dQ build.
-          for (int backward = 1; backward <= (kernel == 80 ? 2 : 1); ++backward) {
-            add_kernel(kernel, backward, dtype, h);
-          }
+          add_kernel(kernel, 1, dtype, h);
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
           KernelVariant v;

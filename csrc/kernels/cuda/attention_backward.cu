@@ -39,16 +39,13 @@
 #if FA_KERNEL_SM == 75 && FA_DTYPE != 0
 #error "kernel 75 is float16 only"
 #endif
-#if FA_ATOMIC_DQ && FA_KERNEL_SM != 80
-#error "the atomic-dQ build is kernel 80's"
-#endif
 
 namespace {
 
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kRowBytes = kH * 2 + 16;
 constexpr int kChunks = kH / 8;
-constexpr FaTile kTile = fa_backward_tile(FA_KERNEL_SM, kH, FA_ATOMIC_DQ);
+constexpr FaTile kTile = fa_backward_tile(FA_KERNEL_SM, kH);
 constexpr int kThreads = kTile.threads;
 constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per block
 constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block
@@ -170,68 +167,6 @@ __device__ __forceinline__ void write_rows(void* out, const long long (&stride)[
   }
 }
 
-#if FA_ATOMIC_DQ
-constexpr int kDsRowBytes = fa_backward_ds_row_bytes(FA_KERNEL_SM, kH);
-
-// dQ of one step's kBq rows (i0 ..) += scale dS K, from the block's kBc keys:
-// each warp stores its dS^T (zeros where it saw none of the rows) at sds,
-// then, past a barrier, computes one share of the product, m-tile warp %
-// (kBq / 16) and columns of part warp / (kBq / 16), with dS as the A operand
-// (ldmatrix.trans of dS^T) and K from shared memory as in accumulate, and
-// adds it into the float32 dq by atomics. The caller's next barrier frees sds.
-__device__ __forceinline__ void add_dq(const FaGradParams& p, unsigned char* smem,
-                                       unsigned char* sds, unsigned sk, bool warp_sees,
-                                       const float (&ds)[kBq / 8][4], int b, int n, int i0,
-                                       int q_len, int tid) {
-  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < kBq / 8; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      *reinterpret_cast<unsigned*>(sds + (16 * warp + g + 8 * h) * kDsRowBytes +
-                                   (nt * 8 + 2 * t4) * 2) =
-          warp_sees ? fa_pack_in(ds[nt][2 * h], ds[nt][2 * h + 1]) : 0u;
-    }
-  __syncthreads();
-  constexpr int kMt = kBq / 16, kCols = kH / (kThreads / 32 / kMt);
-  static_assert(kCols % 16 == 0, "whole pairs of n8 tiles per warp");
-  const int mt = warp % kMt, c0 = warp / kMt * kCols;
-  float acc[kCols / 8][4];
-#pragma unroll
-  for (int i = 0; i < kCols / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  const unsigned sds_u32 = fa_smem_u32(smem) + static_cast<unsigned>(sds - smem);
-#pragma unroll
-  for (int kk = 0; kk < kBc / 16; ++kk) {
-    // Matrix lane / 8 of the x4: keys 8 (lane / 16) of this k16 step, rows
-    // 8 ((lane / 8) % 2) of the m-tile.
-    unsigned a[4];
-    fa_ldsm_x4_t(sds_u32 + (kk * 16 + ((lane >> 4) << 3) + (lane & 7)) * kDsRowBytes +
-                     (mt * 16 + ((lane >> 3) & 1) * 8) * 2,
-                 a);
-#pragma unroll
-    for (int np = 0; np < kCols / 16; ++np) {
-      unsigned bk[4];
-      fa_ldsm_x4_t(sk + bt_offset(lane) + kk * 16 * kRowBytes + c0 * 2 + np * 32, bk);
-      fa_mma16(acc[2 * np], a, bk[0], bk[1]);
-      fa_mma16(acc[2 * np + 1], a, bk[2], bk[3]);
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = i0 + mt * 16 + g + 8 * h;
-    if (row >= q_len) continue;
-    float* out = static_cast<float*>(p.dq) + fa_at(p.out_stride, b, row, n);
-#pragma unroll
-    for (int nt = 0; nt < kCols / 8; ++nt) {
-      const int col = c0 + nt * 8 + 2 * t4;
-      if (col >= p.H) continue;
-      atomicAdd(out + col, acc[nt][2 * h] * p.rules.scale);
-      atomicAdd(out + col + 1, acc[nt][2 * h + 1] * p.rules.scale);
-    }
-  }
-}
-#endif
-
 }  // namespace
 
 extern "C" __constant__ int fa_params_bytes = sizeof(FaGradParams);
@@ -255,10 +190,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   auto sdo = [&](int st) { return sq(st) + kBq * kRowBytes; };
   float* s_lse = reinterpret_cast<float*>(smem + (2 * kBc + 2 * kStages * kBq) * kRowBytes);
   float* s_delta = s_lse + kStages * kBq;
-#if FA_ATOMIC_DQ
-  // One step's dS^T: kBc keys by kBq rows (kDsRowBytes apart).
-  unsigned char* sds = reinterpret_cast<unsigned char*>(s_delta + kStages * kBq);
-#endif
 
   float dk[kNo][4], dv[kNo][4];
 #pragma unroll
@@ -334,13 +265,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       loads_wait();
     }
     __syncthreads();  // stage st (and, at first, K and V) landed for every warp
-    bool warp_sees = false;
-    float s[kBq / 8][4], dp[kBq / 8][4];
     if (wk0 < j1) {
       int lo, hi;
       fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
-      warp_sees = hi > wk0 && lo < wk1;
-      if (warp_sees) {  // a key of this warp is seen
+      if (hi > wk0 && lo < wk1) {  // a key of this warp is seen
+        float s[kBq / 8][4], dp[kBq / 8][4];
         rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq(st), lane, s);
         rows_times_rows<kBq>(sv + a_offset(16 * warp, lane), sdo(st), lane, dp);
         const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
@@ -363,9 +292,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         accumulate<kBq>(dp, sq(st), lane, dk);
       }
     }
-#if FA_ATOMIC_DQ
-    add_dq(p, smem, sds, sk, warp_sees, dp, b, n, i0, q_len, tid);
-#endif
     __syncthreads();  // stage st is read: free for step k + 2 (k + 1 on kernel 75)
     if (more) {
       if (kStages == 1) load_step(0, nn, ni);
@@ -378,7 +304,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   write_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
 }
 
-#if !FA_ATOMIC_DQ  // that build adds dQ in fa_backward_dkdv
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fa_backward_dq(const FaGradParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -464,4 +389,3 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   }
   write_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
 }
-#endif

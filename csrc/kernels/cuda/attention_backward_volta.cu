@@ -24,13 +24,13 @@
 #include "attention_grad.cuh"
 #include "attention_volta.cuh"
 
-#if FA_KERNEL_SM != 70 || FA_DTYPE != 0 || FA_ATOMIC_DQ
-#error "attention_backward_volta.cu: kernel 70, float16 operands only, dQ in a pass of its own"
+#if FA_KERNEL_SM != 70 || FA_DTYPE != 0
+#error "attention_backward_volta.cu: kernel 70, float16 operands only"
 #endif
 
 namespace {
 
-constexpr FaTile kTile = fa_backward_tile(70, kH, false);
+constexpr FaTile kTile = fa_backward_tile(70, kH);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kKS = kH / 4;  // k4 steps over H

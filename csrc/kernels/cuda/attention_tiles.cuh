@@ -202,14 +202,9 @@ FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
 // larger of the two. Kernels 75 and 80: fa_backward_dq on Br = 64 query rows
 // (16 per warp) holding Q, dO and the stages' K and V tiles of
 // fa_backward_dq_keys; fa_backward_dkdv on Bc = 64 keys holding K, V, and
-// the stages' Q and dO rows and their LSE and D, and, with atomic_dq (kernel
-// 80 adding dQ by atomics), one step's dS^T (64 keys by its rows, rows padded
-// by 16 bytes). Kernel 70: the same in the forward's padded rows
-// (fa_volta_tile_bytes), one stage.
-FA_TILE_FN int fa_backward_ds_row_bytes(int kernel_sm, int h) {
-  return 2 * fa_backward_query_rows(kernel_sm, h) + 16;
-}
-FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
+// the stages' Q and dO rows and their LSE and D. Kernel 70: the same in the
+// forward's padded rows (fa_volta_tile_bytes), one stage.
+FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
   if (kernel_sm == 70) {
     const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
     const int rows = kFaVoltaBackwardQueryRows;
@@ -221,8 +216,7 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
   }
   const int rows = fa_backward_query_rows(kernel_sm, h), stages = fa_backward_stages(kernel_sm);
   const int dq = fa_backward_dq_smem(kernel_sm, h, fa_backward_dq_keys(kernel_sm, h));
-  const int dkdv = (2 * 64 + 2 * stages * rows) * (2 * h + 16) + 2 * stages * rows * 4 +
-                   (atomic_dq ? 64 * fa_backward_ds_row_bytes(kernel_sm, h) : 0);
+  const int dkdv = (2 * 64 + 2 * stages * rows) * (2 * h + 16) + 2 * stages * rows * 4;
   return FaTile{64, 64, 128, dq > dkdv ? dq : dkdv};
 }
 
