@@ -51,7 +51,7 @@ constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per blo
 constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block
 constexpr int kBcq = fa_backward_dq_keys(FA_KERNEL_SM, kH);  // fa_backward_dq: keys per step
 constexpr int kBq = fa_backward_query_rows(FA_KERNEL_SM, kH);  // fa_backward_dkdv: rows per step
-constexpr int kStages = fa_backward_stages(FA_KERNEL_SM);  // query steps in flight
+constexpr int kStages = fa_backward_stages(FA_KERNEL_SM, kH);  // query steps in flight
 constexpr int kKs = kH / 16;                     // k16 steps over H
 constexpr int kNo = kH / 8;                      // n8 tiles over H
 
@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     load_step(0, n, i0);
     store_scalars(0);
   }
-  // Two stages (kernel 80): step k + 1's loads fly while step k computes.
+  // Two stages (kernel 80, H <= 64): step k + 1's loads fly while step k computes.
   // One (75): they follow step k.
   for (int st = 0; n < n_end; st = (st + 1) % kStages) {
     int nn = n, ni = i0;
@@ -292,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         accumulate<kBq>(dp, sq(st), lane, dk);
       }
     }
-    __syncthreads();  // stage st is read: free for step k + 2 (k + 1 on kernel 75)
+    __syncthreads();  // stage st is read: free for step k + 2 (k + 1 with one stage)
     if (more) {
       if (kStages == 1) load_step(0, nn, ni);
       store_scalars((st + 1) % kStages);
@@ -371,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                                        fa_at(p.out_stride, b, m0, n),
                                    p.out_stride[1], q_len - m0, p.H}, tid);
     load_kv(0, blk.t_begin);
-    // Two stages (kernel 80): tile k + 1's K and V fly while tile k computes.
+    // Two stages (kernel 80, H <= 64): tile k + 1's K and V fly while tile k computes.
     for (int tile = blk.t_begin, st = 0; tile < blk.t_end; ++tile, st = (st + 1) % kStages) {
       const int n0 = tile * kBcq;
       const bool more = tile + 1 < blk.t_end;
@@ -383,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();  // stage st (and, at first, Q and dO) landed for every warp
       if (n0 < whi && n0 + kBcq > wlo) compute_tile(st, n0);  // this warp's rows see the tile
-      __syncthreads();  // stage st is read: free for tile k + 2 (k + 1 on kernel 75)
+      __syncthreads();  // stage st is read: free for tile k + 2 (k + 1 with one stage)
       if (kStages == 1 && more) load_kv(0, tile + 1);
     }
   }
