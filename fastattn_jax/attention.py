@@ -98,12 +98,12 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   (FlashAttention-2's, Dao 2023, Algorithm 2: from the saved out and LSE it
   recomputes P and dS tile by tile; dK and dV per key tile, dQ in a separate
   pass per query block, so every sum has a fixed order: deterministic, no
-  atomics, no T x S buffer). The "cuda_sm75", "cuda_sm80" and "cuda_sm90"
-  paths have backward kernels of the same algorithm for H <= 128
-  (``attention_backward.cu``: dK and dV per 64 keys, dQ per 64 query rows,
-  deterministic), multiplying in the forward's 16-bit dtype. The other paths
-  ("cuda_sm70", H > 128) run it in jax.numpy over blocks of whole query rows
-  (``reference.attention_grads``: each block's softmax recomputed in the
+  atomics, no T x S buffer). Every CUDA path has backward kernels of the
+  same algorithm for H <= 128 (``attention_backward.cu``, and on "cuda_sm70"
+  ``attention_backward_volta.cu``: dK and dV per block of keys, dQ per block
+  of query rows, deterministic), multiplying in the forward's 16-bit dtype.
+  Above H = 128 the gradient runs in jax.numpy over blocks of whole query
+  rows (``reference.attention_grads``: each block's softmax recomputed in the
   inputs' precision, XLA's matrix products, at most 2^25 logits at a time). A differentiated bias
   gets its gradient (dS summed over its broadcast dims) from the reference
   math on every path, computed only when the bias is differentiated. Works

@@ -163,7 +163,7 @@ def fused_backward(implementation: str, config: AttentionConfig, q_shape, k_shap
                    bias: bool = False, mask: bool = False) -> bool:
   """Whether ``implementation`` has a fused backward for a call: always on the
   CPU; on the CUDA paths where the owner plans backward kernels for it
-  (``cuda.plan(..., backward=True)``: sm75 and newer, H <= 128). Elsewhere the
+  (``cuda.plan(..., backward=True)``: every CUDA path, H <= 128). Elsewhere the
   gradients come from ``reference.attention_grads``."""
   if implementation == "cpu":
     return True

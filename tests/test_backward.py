@@ -289,39 +289,39 @@ def test_blockwise_reference_backward(name, rng):
 
 
 def test_cuda_backward_plan_rules():
-  """Which calls the CUDA backward kernels take (no GPU needed): the sm80 and
-  sm90 paths on kernel 80's build, the sm75 path on kernel 75's (float16
-  operands, bfloat16 inputs converted), none on sm70; H up to 128 (bias, mask
-  and soft cap in the extras build); one launch of ceil(S / 64) * K * B blocks
-  for dK and dV and one of ceil(T / 64) * N * B for dQ. Kernel 75's shared
-  memory fits a T4's 64 KB at every head dim."""
+  """Which calls the CUDA backward kernels take (no GPU needed): every CUDA
+  path, H up to 128 (bias, mask and soft cap in the extras build); the sm80
+  and sm90 paths on kernel 80's build, sm75 on kernel 75's (float16 operands,
+  bfloat16 inputs converted), sm70 on the Volta kernel's; for dK and dV one
+  launch of ceil(S / Bc) * K * B blocks (Bc = 64; Volta: 128 keys up to
+  H = 64), for dQ one of ceil(T / Br) * N * B (Br = 64; Volta: 128). Every
+  build's shared memory fits its oldest GPU: 64 KB on a T4, 96 KB on a V100."""
   config = attention.AttentionConfig(scale=0.125, is_causal=True)
   q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
-  for path, kernel in (("cuda_sm75", 75), ("cuda_sm80", 80), ("cuda_sm90", 80)):
+  for path, kernel, bc, br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
+                               ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 80, 64, 64)):
     plan = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
     assert plan["backward"] and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
     assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16" if kernel == 80 else "float16"]
     launch = _ffi_launch(plan, q, k)
-    assert launch["blocks"] == 16 * 2 * 2 and launch["units"] == 16 * 8 * 2
+    assert launch["blocks"] == -(-999 // bc) * 2 * 2 and launch["units"] == -(-1000 // br) * 8 * 2
     assert launch["workspace_floats"] == 0
-  for h in range(32, 129, 32):
-    qh, kh = (1, 100, 2, h), (1, 100, 2, h)
-    plan = cuda.plan("cuda_sm75", config, qh, kh, jnp.float16, True, backward=True)
-    assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), 750, 40,
-                                 1)["smem_bytes"] <= 64 * 1024, h
+  for path, arch, smem in (("cuda_sm70", 700, 96), ("cuda_sm75", 750, 64)):
+    for h in range(32, 129, 32):
+      qh, kh = (1, 100, 2, h), (1, 100, 2, h)
+      plan = cuda.plan(path, config, qh, kh, jnp.float16, True, backward=True)
+      assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), arch, 40,
+                                   1)["smem_bytes"] <= smem * 1024, (path, h)
   assert cuda.plan("cuda_sm80", config, q, k, jnp.float32, backward=True)["operand_dtype"] == (
       cuda.DTYPE_CODES["float16"])
   for cfg, bias, mask in ((config, True, False), (config, False, True),
                           (dataclasses.replace(config, softcap=5.0), False, False)):
     assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]
-  refused = [
-      ("cuda_sm70", config, q, k, False, False),
-      ("cuda_sm80", config, (2, 10, 8, 136), (2, 10, 2, 136), False, False),
-  ]
-  for path, cfg, qs, ks, bias, mask in refused:
-    assert not backends.fused_backward(path, cfg, qs, ks, jnp.float16, bias, mask)
+  for path in ("cuda_sm70", "cuda_sm75", "cuda_sm80"):  # H > 128: no backward kernel
+    qs, ks = (2, 10, 8, 136), (2, 10, 2, 136)
+    assert not backends.fused_backward(path, config, qs, ks, jnp.float16)
     with pytest.raises(ValueError):
-      cuda.plan(path, cfg, qs, ks, jnp.float16, bias, mask, backward=True)
+      cuda.plan(path, config, qs, ks, jnp.float16, backward=True)
 
 
 def _ffi_launch(plan, q_shape, k_shape):

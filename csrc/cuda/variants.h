@@ -29,7 +29,7 @@ struct KernelVariant {
   int out_dtype = kF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
-  int backward = 0;     // 1: the backward kernels (kernel_sm 75 or 80)
+  int backward = 0;     // 1: the backward kernels (kernel_sm 70, 75 or 80)
 
   // "sm80 H=128 bf16->bf16", "... extras", "decode sm80 rows=4 ...": for logs.
   std::string Describe() const;
@@ -107,9 +107,9 @@ int MaxBlocksPerSm(const FaTile& tile, int arch);
 // decode kernel reads bfloat16 on every arch (CallPlan says which applies).
 int OperandDtype(int kernel_sm, int dtype);
 
-// The backward kernel (attention_backward.cu) of the path of forward kernel
-// `kernel_sm`: 80 for paths 80 and 90 (no wgmma backward yet), 75 for 75, 0
-// for 70 (none: its gradients come from reference.attention_grads).
+// The backward kernel of the path of forward kernel `kernel_sm`: 80 for
+// paths 80 and 90 (attention_backward.cu; no wgmma backward yet), 75 for 75
+// (the same source), 70 for 70 (attention_backward_volta.cu).
 int BackwardKernel(int kernel_sm);
 
 // The kernel `implementation=None` runs on a GPU of compute capability `cc`

@@ -30,6 +30,7 @@
 // LSE -inf, taken as +inf: P = 0. FA_EXTRAS variants apply the bias, mask
 // and soft cap per pair (prob_and_ds), the others the index rules alone.
 // Shared-memory rows are padded by 16 bytes as in attention_mma16.cu.
+#include "attention_grad.cuh"
 #include "attention_m16n8.cuh"
 
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
@@ -50,6 +51,7 @@ constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per blo
 constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block
 constexpr int kBcq = fa_backward_dq_keys(FA_KERNEL_SM, kH);  // fa_backward_dq: keys per step
 constexpr int kBq = fa_backward_query_rows(FA_KERNEL_SM, kH);  // fa_backward_dkdv: rows per step
+constexpr int kStages = fa_backward_stages(FA_KERNEL_SM, kH);  // query steps in flight
 constexpr int kKs = kH / 16;                     // k16 steps over H
 constexpr int kNo = kH / 8;                      // n8 tiles over H
 
@@ -83,6 +85,12 @@ __device__ __forceinline__ void loads_commit() {
 __device__ __forceinline__ void loads_wait() {
 #if FA_KERNEL_SM == 80
   fa_cp_async_wait<0>();
+#endif
+}
+// All but the last committed group landed (kernel 80).
+__device__ __forceinline__ void loads_wait_all_but_one() {
+#if FA_KERNEL_SM == 80
+  fa_cp_async_wait<1>();
 #endif
 }
 
@@ -154,55 +162,9 @@ __device__ __forceinline__ void write_rows(void* out, const long long (&stride)[
     for (int nt = 0; nt < kNo; ++nt) {
       const int col = nt * 8 + 2 * t4;
       if (col >= H) continue;
-      const float x0 = acc[nt][2 * h] * scale, x1 = acc[nt][2 * h + 1] * scale;
-#if FA_OUT_DTYPE == 2
-      static_cast<float*>(out)[at + col] = x0;
-      static_cast<float*>(out)[at + col + 1] = x1;
-#elif FA_OUT_DTYPE == 1
-      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
-          fa_pack_bf16(x0, x1);
-#else
-      *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + col) =
-          fa_pack_f16(x0, x1);
-#endif
+      fa_store_pair(out, at + col, acc[nt][2 * h] * scale, acc[nt][2 * h + 1] * scale);
     }
   }
-}
-
-// P and dS of one (row i, key j) from the raw products qk = q . k and dp =
-// dO . v: P = e^(logit - LSE), dS = P (dp - D) times the soft cap's
-// derivative 1 - tanh^2 (FA_EXTRAS: logit = softcap tanh(scale qk / softcap)
-// + bias, and a false mask hides the pair; else logit = scale qk). `seen`:
-// the index rules show key j to row i.
-__device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, float dp, bool seen,
-                                            int b, int n, int i, int j, float lse2, float delta,
-                                            float* pe, float* ds) {
-#if FA_EXTRAS
-  float x = qk * p.rules.scale, slope = 1.f;
-  if (seen && p.rules.softcap > 0.f) {
-    const float t = fa_tanh(x / p.rules.softcap);
-    x = p.rules.softcap * t;
-    slope = 1.f - t * t;
-  }
-  if (seen && p.bias) {
-    x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] + i * p.bias_strides[2] +
-                j * p.bias_strides[3]];
-  }
-  if (seen && p.mask) {
-    seen = p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] + i * p.mask_strides[2] +
-                  j * p.mask_strides[3]];
-  }
-  *pe = seen ? fa_ex2(fmaf(x, kFaLog2e, -lse2)) : 0.f;
-  *ds = seen ? *pe * (dp - delta) * slope : 0.f;
-#else
-  *pe = seen ? fa_ex2(fmaf(qk, p.rules.scale * kFaLog2e, -lse2)) : 0.f;
-  *ds = seen ? *pe * (dp - delta) : 0.f;
-#endif
-}
-
-// LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).
-__device__ __forceinline__ float lse2_of(float lse) {
-  return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse * kFaLog2e;
 }
 
 }  // namespace
@@ -222,9 +184,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
 
   const unsigned sk = fa_smem_u32(smem), sv = sk + kBc * kRowBytes;
-  const unsigned sq = sv + kBc * kRowBytes, sdo = sq + kBq * kRowBytes;
-  float* s_lse = reinterpret_cast<float*>(smem + (2 * kBc + 2 * kBq) * kRowBytes);
-  float* s_delta = s_lse + kBq;
+  // Stage st of the query steps: Q and dO rows, then (after both stages) the
+  // rows' LSE (log2 domain) and D.
+  auto sq = [&](int st) { return sv + kBc * kRowBytes + st * 2 * kBq * kRowBytes; };
+  auto sdo = [&](int st) { return sq(st) + kBq * kRowBytes; };
+  float* s_lse = reinterpret_cast<float*>(smem + (2 * kBc + 2 * kStages * kBq) * kRowBytes);
+  float* s_delta = s_lse + kStages * kBq;
 
   float dk[kNo][4], dv[kNo][4];
 #pragma unroll
@@ -235,40 +200,81 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // This warp's keys: j0 + 16 warp + g and + 8.
   const int wk0 = j0 + 16 * warp, wk1 = wk0 + 16;
   const int j1 = min(j0 + kBc, kv_len);
-  if (j0 < kv_len) {
+  const int n_end = (kvh + 1) * G;
+  // The query steps (head n, rows i0 .. i0 + kBq) that see a key of the
+  // block, in order: the same for every thread.
+  auto advance = [&](int& n, int& i0) {
+    for (i0 += kBq;; i0 += kBq) {
+      if (i0 >= q_len) {
+        i0 = 0;
+        if (++n >= n_end) return;
+      }
+      int lo, hi;
+      fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
+      if (hi > j0 && lo < j1) return;
+    }
+  };
+  // Q and dO of a step into stage st, by cp.async (kernel 80) or through
+  // registers (75); its LSE and D into registers, stored once the stage is
+  // free (rows past the length: P = 0, D = 0).
+  float next_lse = 0.f, next_delta = 0.f;
+  auto load_step = [&](int st, int n, int i0) {
+    tile_load<kBq>(smem, sq(st), FaTileSrc{static_cast<const unsigned short*>(p.q) +
+                                               fa_at(p.q_stride, b, i0, n),
+                                           p.q_stride[1], q_len - i0, p.H}, tid);
+    tile_load<kBq>(smem, sdo(st), FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
+                                                fa_at(p.out_stride, b, i0, n),
+                                            p.out_stride[1], q_len - i0, p.H}, tid);
+    loads_commit();
+    if (tid < kBq) {
+      const bool live = i0 + tid < q_len;
+      const long long at = fa_at(p.lse_stride, b, i0 + tid, n);
+      next_lse = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+      next_delta = live ? p.delta[at] : 0.f;
+    }
+  };
+  auto store_scalars = [&](int st) {
+    if (tid < kBq) {
+      s_lse[st * kBq + tid] = next_lse;
+      s_delta[st * kBq + tid] = next_delta;
+    }
+  };
+  static_assert(kBq <= kThreads, "a thread per row of a query step");
+
+  int n = j0 < kv_len ? kvh * G : n_end, i0 = -kBq;  // keys past the length: no step
+  if (n < n_end) advance(n, i0);
+  if (n < n_end) {
     const long long kv_at = fa_at(p.kv_stride, b, j0, kvh);
     tile_load<kBc>(smem, sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
-                                  p.kv_stride[1], kv_len - j0, p.H}, tid);
+                                       p.kv_stride[1], kv_len - j0, p.H}, tid);
     tile_load<kBc>(smem, sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
-                                  p.kv_stride[1], kv_len - j0, p.H}, tid);
-    loads_commit();
-    for (int n = kvh * G; n < (kvh + 1) * G; ++n) {
-      for (int i0 = 0; i0 < q_len; i0 += kBq) {
-        int lo, hi;
-        fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
-        if (hi <= j0 || lo >= j1) continue;  // the same for every thread
-        __syncthreads();  // the previous step is done with sq, sdo and the rows' scalars
-        tile_load<kBq>(smem, sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
-                                          fa_at(p.q_stride, b, i0, n),
-                                      p.q_stride[1], q_len - i0, p.H}, tid);
-        tile_load<kBq>(smem, sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
-                                           fa_at(p.out_stride, b, i0, n),
-                                       p.out_stride[1], q_len - i0, p.H}, tid);
-        loads_commit();
-        for (int r = tid; r < kBq; r += kThreads) {
-          const bool live = i0 + r < q_len;
-          const long long at = fa_at(p.lse_stride, b, i0 + r, n);
-          s_lse[r] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
-          s_delta[r] = live ? p.delta[at] : 0.f;
-        }
-        loads_wait();
-        __syncthreads();
-        if (wk0 >= j1 || hi <= wk0 || lo >= wk1) continue;  // no key of this warp is seen
-
+                                       p.kv_stride[1], kv_len - j0, p.H}, tid);
+    load_step(0, n, i0);
+    store_scalars(0);
+  }
+  // Two stages (kernel 80, H <= 64): step k + 1's loads fly while step k computes.
+  // One (75): they follow step k.
+  for (int st = 0; n < n_end; st = (st + 1) % kStages) {
+    int nn = n, ni = i0;
+    advance(nn, ni);
+    const bool more = nn < n_end;
+    if (kStages == 2 && more) {
+      load_step(st ^ 1, nn, ni);
+      loads_wait_all_but_one();
+    } else {
+      loads_wait();
+    }
+    __syncthreads();  // stage st (and, at first, K and V) landed for every warp
+    if (wk0 < j1) {
+      int lo, hi;
+      fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
+      if (hi > wk0 && lo < wk1) {  // a key of this warp is seen
         float s[kBq / 8][4], dp[kBq / 8][4];
-        rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq, lane, s);
-        rows_times_rows<kBq>(sv + a_offset(16 * warp, lane), sdo, lane, dp);
+        rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq(st), lane, s);
+        rows_times_rows<kBq>(sv + a_offset(16 * warp, lane), sdo(st), lane, dp);
         const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
+        const float* lse2 = s_lse + st * kBq;
+        const float* delta = s_delta + st * kBq;
 #pragma unroll
         for (int nt = 0; nt < kBq / 8; ++nt)
 #pragma unroll
@@ -279,15 +285,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
               const int j = wk0 + g + 8 * h;
               const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, j);
               prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i0 + c, j,
-                          s_lse[c], s_delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
+                          lse2[c], delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
             }
           }
-        accumulate<kBq>(s, sdo, lane, dv);
-        accumulate<kBq>(dp, sq, lane, dk);
+        accumulate<kBq>(s, sdo(st), lane, dv);
+        accumulate<kBq>(dp, sq(st), lane, dk);
       }
     }
+    __syncthreads();  // stage st is read: free for step k + 2 (k + 1 with one stage)
+    if (more) {
+      if (kStages == 1) load_step(0, nn, ni);
+      store_scalars((st + 1) % kStages);
+    }
+    n = nn;
+    i0 = ni;
   }
-  loads_wait();  // K and V, where no query row took them
   write_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
   write_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
 }
@@ -301,8 +313,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
   const int q_len = blk.q_len, kv_len = blk.kv_len;
 
+  // Q and dO, then kStages stages of a K and a V tile.
   const unsigned sq = fa_smem_u32(smem), sdo = sq + kBr * kRowBytes;
-  const unsigned sk = sdo + kBr * kRowBytes, sv = sk + kBcq * kRowBytes;
+  auto sk = [&](int st) { return sdo + kBr * kRowBytes + st * 2 * kBcq * kRowBytes; };
+  auto sv = [&](int st) { return sk(st) + kBcq * kRowBytes; };
+  auto load_kv = [&](int st, int tile) {
+    const int n0 = tile * kBcq;
+    const long long kv_at = fa_at(p.kv_stride, b, n0, kvh);
+    tile_load<kBcq>(smem, sk(st), FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
+                                            p.kv_stride[1], kv_len - n0, p.H}, tid);
+    tile_load<kBcq>(smem, sv(st), FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
+                                            p.kv_stride[1], kv_len - n0, p.H}, tid);
+    loads_commit();
+  };
 
   const int w0 = m0 + 16 * warp, w1 = w0 + 16;
   int wlo, whi;
@@ -319,6 +342,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kNo; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
 
+  // dQ += dS K over one tile of keys n0 .. n0 + kBcq in stage st.
+  auto compute_tile = [&](int st, int n0) {
+    float s[kBcq / 8][4], dp[kBcq / 8][4];
+    rows_times_rows<kBcq>(sq + a_offset(16 * warp, lane), sk(st), lane, s);
+    rows_times_rows<kBcq>(sdo + a_offset(16 * warp, lane), sv(st), lane, dp);
+    const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBcq);
+#pragma unroll
+    for (int nt = 0; nt < kBcq / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = w0 + g + 8 * h, j = n0 + nt * 8 + 2 * t4 + e;
+          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, j);
+          float pe;
+          prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
+                      delta[h], &pe, &dp[nt][2 * h + e]);
+        }
+    accumulate<kBcq>(dp, sk(st), lane, dq);
+  };
+
   if (blk.t_end > blk.t_begin) {
     tile_load<kBr>(smem, sq, FaTileSrc{static_cast<const unsigned short*>(p.q) +
                                       fa_at(p.q_stride, b, m0, n),
@@ -326,36 +370,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     tile_load<kBr>(smem, sdo, FaTileSrc{static_cast<const unsigned short*>(p.d_out) +
                                        fa_at(p.out_stride, b, m0, n),
                                    p.out_stride[1], q_len - m0, p.H}, tid);
-    for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
+    load_kv(0, blk.t_begin);
+    // Two stages (kernel 80, H <= 64): tile k + 1's K and V fly while tile k computes.
+    for (int tile = blk.t_begin, st = 0; tile < blk.t_end; ++tile, st = (st + 1) % kStages) {
       const int n0 = tile * kBcq;
-      __syncthreads();  // the previous tile's K and V are no longer read
-      const long long kv_at = fa_at(p.kv_stride, b, n0, kvh);
-      tile_load<kBcq>(smem, sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
-                                    p.kv_stride[1], kv_len - n0, p.H}, tid);
-      tile_load<kBcq>(smem, sv, FaTileSrc{static_cast<const unsigned short*>(p.v) + kv_at,
-                                    p.kv_stride[1], kv_len - n0, p.H}, tid);
-      loads_commit();
-      loads_wait();
-      __syncthreads();
-      if (n0 >= whi || n0 + kBcq <= wlo) continue;  // this warp's rows see none of the tile
-
-      float s[kBcq / 8][4], dp[kBcq / 8][4];
-      rows_times_rows<kBcq>(sq + a_offset(16 * warp, lane), sk, lane, s);
-      rows_times_rows<kBcq>(sdo + a_offset(16 * warp, lane), sv, lane, dp);
-      const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBcq);
-#pragma unroll
-      for (int nt = 0; nt < kBcq / 8; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = w0 + g + 8 * h, j = n0 + nt * 8 + 2 * t4 + e;
-            const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, j);
-            float pe;
-            prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
-                        delta[h], &pe, &dp[nt][2 * h + e]);
-          }
-      accumulate<kBcq>(dp, sk, lane, dq);
+      const bool more = tile + 1 < blk.t_end;
+      if (kStages == 2 && more) {
+        load_kv(st ^ 1, tile + 1);
+        loads_wait_all_but_one();
+      } else {
+        loads_wait();
+      }
+      __syncthreads();  // stage st (and, at first, Q and dO) landed for every warp
+      if (n0 < whi && n0 + kBcq > wlo) compute_tile(st, n0);  // this warp's rows see the tile
+      __syncthreads();  // stage st is read: free for tile k + 2 (k + 1 with one stage)
+      if (kStages == 1 && more) load_kv(0, tile + 1);
     }
   }
   write_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);

@@ -160,7 +160,7 @@ FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
 // per block, one block per unit.
 constexpr int kFaMergeThreads = 128;
 
-// --- attention_backward.cu (kernels 75 and 80) ---------------------------------------
+// --- attention_backward.cu (kernels 75, 80), attention_backward_volta.cu (70) ---------
 
 // The largest head dim of the backward kernels: a fa_backward_dkdv lane holds
 // dK and dV, H / 2 registers each.
@@ -171,22 +171,57 @@ constexpr int kFaMaxBackwardHeadDim = 128;
 FA_TILE_FN int fa_backward_query_rows(int kernel_sm, int h) {
   return h <= 64 ? 64 : kernel_sm == 75 && h > 96 ? 16 : 32;
 }
+// Steps whose tiles are in shared memory at once, in both backward kernels:
+// two on kernel 80 up to H = 64 (cp.async fills the next while the current
+// computes), one above it and on kernel 75 (its loads go through registers).
+// Measured on the H100 (bf16, B·S = 16384, N·H = 2048, forward+backward): two
+// stages took 0.96-0.99x the time of one at H = 64 and 1.02-1.07x at H = 128,
+// where one block's 32-row steps leave the loads little to hide behind.
+FA_TILE_FN int fa_backward_stages(int kernel_sm, int h) {
+  return kernel_sm == 80 && h <= 64 ? 2 : 1;
+}
 // fa_backward_dq's shared memory with `keys` keys per step: Br = 64 rows of Q
-// and dO, one tile of K and V. Rows padded by 16 bytes (attention_mma16.cu).
-FA_TILE_FN int fa_backward_dq_smem(int h, int keys) { return (2 * 64 + 2 * keys) * (2 * h + 16); }
+// and dO, the stages' K and V tiles. Rows padded by 16 bytes
+// (attention_mma16.cu).
+FA_TILE_FN int fa_backward_dq_smem(int kernel_sm, int h, int keys) {
+  return (2 * 64 + 2 * fa_backward_stages(kernel_sm, h) * keys) * (2 * h + 16);
+}
 // fa_backward_dq's keys per step: 64, or 32 where kernel 75's 64 KB would not
 // hold 64 (H = 128: 256 rows of 272 bytes, 68 KB).
 FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
-  return kernel_sm == 75 && fa_backward_dq_smem(h, 64) > fa_mma16_smem_budget(75, 750) ? 32 : 64;
+  return kernel_sm == 75 && fa_backward_dq_smem(75, h, 64) > fa_mma16_smem_budget(75, 750) ? 32
+                                                                                             : 64;
 }
-// Both backward kernels run 4 warps: fa_backward_dq on Br = 64 query rows
-// (16 per warp) holding Q, dO and one K and V tile of fa_backward_dq_keys;
-// fa_backward_dkdv on Bc = 64 keys (block_n) holding K, V, one step's Q and
-// dO, and its rows' LSE and D.
+// Kernel 70's (attention_backward_volta.cu): fa_backward_dkdv's row groups
+// of 8 keys per warp, 4 up to H = 64, 2 above (quad pairs then split the
+// columns of dK and dV, as the forward's O does above H = 128, keeping the
+// two at 128 registers); its query rows per step; fa_backward_dq's keys per
+// step, 32 up to H = 64, 16 above (S and dP take a register per key each
+// beside dQ's H).
+FA_TILE_FN int fa_volta_backward_key_groups(int h) { return h <= 64 ? 4 : 2; }
+constexpr int kFaVoltaBackwardQueryRows = 16;
+FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
+
+// The backward kernels' tile: block_m query rows per fa_backward_dq block,
+// block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
+// larger of the two. Kernels 75 and 80: fa_backward_dq on Br = 64 query rows
+// (16 per warp) holding Q, dO and the stages' K and V tiles of
+// fa_backward_dq_keys; fa_backward_dkdv on Bc = 64 keys holding K, V, and
+// the stages' Q and dO rows and their LSE and D. Kernel 70: the same in the
+// forward's padded rows (fa_volta_tile_bytes), one stage.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
-  const int rows = fa_backward_query_rows(kernel_sm, h);
-  const int dq = fa_backward_dq_smem(h, fa_backward_dq_keys(kernel_sm, h));
-  const int dkdv = (2 * 64 + 2 * rows) * (2 * h + 16) + 2 * rows * 4;
+  if (kernel_sm == 70) {
+    const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
+    const int rows = kFaVoltaBackwardQueryRows;
+    const int dkdv =
+        2 * fa_volta_tile_bytes(bc, h) + 2 * fa_volta_tile_bytes(rows, h) + 2 * rows * 4;
+    const int dq =
+        2 * fa_volta_tile_bytes(br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
+    return FaTile{br, bc, 128, dq > dkdv ? dq : dkdv};
+  }
+  const int rows = fa_backward_query_rows(kernel_sm, h), stages = fa_backward_stages(kernel_sm, h);
+  const int dq = fa_backward_dq_smem(kernel_sm, h, fa_backward_dq_keys(kernel_sm, h));
+  const int dkdv = (2 * 64 + 2 * stages * rows) * (2 * h + 16) + 2 * stages * rows * 4;
   return FaTile{64, 64, 128, dq > dkdv ? dq : dkdv};
 }
 

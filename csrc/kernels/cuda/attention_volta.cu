@@ -51,7 +51,7 @@
 // bank pairs. The padding keeps every fragment address a per-lane base plus an
 // immediate (an XOR swizzle would not). Tile copies store each 16-byte global
 // load as two 8-byte halves, grouped per half-warp as item_rc describes.
-#include "attention_split.cuh"
+#include "attention_volta.cuh"
 
 #if FA_KERNEL_SM != 70 || FA_DTYPE != 0
 #error "attention_volta.cu: kernel 70, float16 operands only"
@@ -59,7 +59,6 @@
 
 namespace {
 
-constexpr int kH = FA_HEAD_DIM;
 constexpr FaTile kTile = fa_forward_tile(70, kH, FA_EXTRAS, __CUDA_ARCH__);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
@@ -71,15 +70,10 @@ constexpr int kBr = kTile.block_m;     // kRW * kWarps
 // small; 32 keep H = 128 at 128 + 32 + 16 registers, and 16 keep H >= 224
 // (O at 128 again) out of spills.
 constexpr int kBc = kTile.block_n;
-constexpr int kS = kH / 4 + 1;         // row stride in 8-byte chunks
 constexpr int kNTS = kBc / 8;          // S n-tiles
 constexpr int kKS = kH / 4;            // QK^T k-steps
 constexpr int kKK = kBc / 4;           // PV k-steps
 constexpr int kNTO = kH / 8 / kHS;     // O n-tiles per lane
-// Two column parts read V columns 2 kNTO chunks apart, which with kS odd
-// hits 8 distinct bank pairs unless the gap is 0 mod 16 (H = 256); then the
-// parts take alternate blocks of four n-tiles (gap 8) instead.
-constexpr bool kInterleave = kHS == 2 && (2 * kNTO) % 16 == 0;
 constexpr int kChunksKV = kBc * kH / 8;  // 16-byte chunks of a K or V tile
 constexpr int kLoadsKV = (kChunksKV + kThreads - 1) / kThreads;
 constexpr int kSmemQ = fa_volta_tile_bytes(kBr, kH);
@@ -88,84 +82,8 @@ constexpr int kSmemKV = fa_volta_tile_bytes(kBc, kH);
 // second CTA out (H = 128, 192), V reuses K's buffer for one more barrier.
 constexpr bool kOneKV = fa_volta_one_kv(kH);
 
-// Index (in 8-byte chunks) of chunk c of row r.
-__device__ __forceinline__ int chunk_at(int r, int c) { return r * kS + c; }
-
-// 16-byte chunk j of row r (row-major source) to shared memory, as two 8-byte
-// halves (rows start at odd chunks).
-__device__ __forceinline__ void put16(uint2* dst, int r, int j, const uint4& v) {
-  const int c = chunk_at(r, 2 * j);
-  dst[c] = make_uint2(v.x, v.y);
-  dst[c + 1] = make_uint2(v.z, v.w);
-}
-
-// Item idx of a (kRows, H) tile copy -> (row r, 16-byte chunk j). A half-warp
-// of items covers 8 chunks of rows r, r + 1 (each row fills 16 consecutive
-// bank pairs, kS odd puts the two rows on opposite parities), or, for the
-// last 4 chunks when H / 8 = 4 mod 8, rows r, r + 1, r + 8, r + 9 (kS = 9 mod
-// 16 there, so rows 8 apart fill complementary halves of the 16 bank pairs).
-template <int kRows>
-__device__ __forceinline__ void item_rc(int idx, int& r, int& j) {
-  constexpr int kG = kH / 64;  // groups of 8 chunks per row
-  constexpr int kMain = kRows * 8 * kG;
-  if constexpr (kG > 0) {
-    if (idx < kMain) {
-      r = 2 * (idx / (16 * kG)) + ((idx >> 3) & 1);
-      j = 8 * ((idx >> 4) % kG) + (idx & 7);
-      return;
-    }
-  }
-  const int t = idx - kMain, hw = t >> 4;
-  r = ((t >> 2) & 1) + 8 * ((t >> 3) & 1) + 2 * (hw & 3) + 16 * (hw >> 2);
-  j = 8 * kG + (t & 3);
-}
-
-__device__ __forceinline__ void mma_rc(float* d, const uint2& a, const uint2& b) {
-  asm volatile(
-      "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7},"
-      " {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7])
-      : "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y));
-}
-
-__device__ __forceinline__ void mma_rr(float* d, const uint2& a, const uint2& b) {
-  asm volatile(
-      "mma.sync.aligned.m8n8k4.row.row.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7},"
-      " {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7])
-      : "r"(a.x), "r"(a.y), "r"(b.x), "r"(b.y));
-}
-
-__device__ __forceinline__ unsigned shfl_xor2(unsigned x) {
-  unsigned y;
-  asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=r"(y) : "r"(x));
-  return y;
-}
-
-__device__ __forceinline__ float shfl_xor2f(float x) {
-  return __uint_as_float(shfl_xor2(__float_as_uint(x)));
-}
-
-// Item i of the (kRows, kH) block whose row r starts at src + r * stride
-// (elements), to shared memory; rows at or past `valid` are zero-filled, never
-// read.
-template <int kRows>
-__device__ __forceinline__ void load_rows(uint2* dst, const unsigned short* src,
-                                          long long stride, int valid, int cols, int i) {
-  int r, j;
-  item_rc<kRows>(i, r, j);
-  uint4 v = make_uint4(0, 0, 0, 0);
-  if (r < valid && j * 8 < cols) v = *reinterpret_cast<const uint4*>(src + r * stride + j * 8);
-  put16(dst, r, j, v);
-}
-
 // O n-tile (8 columns) of a lane's j-th accumulator; `part` is its column part.
-__device__ __forceinline__ int o_tile(int j, int part) {
-  if (kHS == 1) return j;
-  return kInterleave ? (j & 3) + 4 * part + 8 * (j >> 2) : part * kNTO + j;
-}
+__device__ __forceinline__ int o_tile(int j, int part) { return volta_col_tile<kHS, kNTO>(j, part); }
 
 // S accumulators -> logits in log2 units. Element e of n-tile j is (row
 // row0 + (e & 2), key key0 + 8 j + (e & 4) + (e & 1)). Only tiles that
@@ -303,7 +221,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
           o[j][2 * r + 5] *= alpha;
         }
       }
-      // P = exp2(x - m), rounded to f16 pairs, then the bit-1 exchange above.
+      // P = exp2(x - m), rounded to f16 pairs, then the bit-1 exchange above
+      // (volta_pack_a).
 #pragma unroll
       for (int j = 0; j < kNTS; ++j) {
         float e_[8];
@@ -312,14 +231,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
           e_[e] = fa_ex2(s[j][e] - base[(e >> 1) & 1]);
           l_run[(e >> 1) & 1] += e_[e];
         }
-        const unsigned p01 = fa_pack_f16(e_[0], e_[1]), p23 = fa_pack_f16(e_[2], e_[3]);
-        const unsigned p45 = fa_pack_f16(e_[4], e_[5]), p67 = fa_pack_f16(e_[6], e_[7]);
-        const unsigned x0 = shfl_xor2(t1 ? p01 : p23);
-        const unsigned x1 = shfl_xor2(t1 ? p45 : p67);
-        pa[2 * j][0] = t1 ? x0 : p01;
-        pa[2 * j][1] = t1 ? p23 : x0;
-        pa[2 * j + 1][0] = t1 ? x1 : p45;
-        pa[2 * j + 1][1] = t1 ? p67 : x1;
+        volta_pack_a(e_, t1, pa[2 * j], pa[2 * j + 1]);
       }
     }
 

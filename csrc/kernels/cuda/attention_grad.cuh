@@ -1,0 +1,58 @@
+// What the backward kernels (attention_backward.cu, attention_backward_volta.cu)
+// share: the probability and dS of one (query row, key) pair from its raw
+// products, with the bias, mask and soft cap of FA_EXTRAS builds, and the
+// store of two adjacent gradient elements.
+#pragma once
+
+#include "attention_split.cuh"
+
+namespace {
+
+// P and dS of one (row i, key j) from the raw products qk = q . k and dp =
+// dO . v: P = e^(logit - LSE), dS = P (dp - D) times the soft cap's
+// derivative 1 - tanh^2 (FA_EXTRAS: logit = softcap tanh(scale qk / softcap)
+// + bias, and a false mask hides the pair; else logit = scale qk). `seen`:
+// the index rules show key j to row i.
+__device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, float dp, bool seen,
+                                            int b, int n, int i, int j, float lse2, float delta,
+                                            float* pe, float* ds) {
+#if FA_EXTRAS
+  float x = qk * p.rules.scale, slope = 1.f;
+  if (seen && p.rules.softcap > 0.f) {
+    const float t = fa_tanh(x / p.rules.softcap);
+    x = p.rules.softcap * t;
+    slope = 1.f - t * t;
+  }
+  if (seen && p.bias) {
+    x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] + i * p.bias_strides[2] +
+                j * p.bias_strides[3]];
+  }
+  if (seen && p.mask) {
+    seen = p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] + i * p.mask_strides[2] +
+                  j * p.mask_strides[3]];
+  }
+  *pe = seen ? fa_ex2(fmaf(x, kFaLog2e, -lse2)) : 0.f;
+  *ds = seen ? *pe * (dp - delta) * slope : 0.f;
+#else
+  *pe = seen ? fa_ex2(fmaf(qk, p.rules.scale * kFaLog2e, -lse2)) : 0.f;
+  *ds = seen ? *pe * (dp - delta) : 0.f;
+#endif
+}
+
+// Elements at and after `at` (even) of a gradient array of FA_OUT_DTYPE.
+__device__ __forceinline__ void fa_store_pair(void* out, long long at, float x0, float x1) {
+#if FA_OUT_DTYPE == 2
+  *reinterpret_cast<float2*>(static_cast<float*>(out) + at) = make_float2(x0, x1);
+#elif FA_OUT_DTYPE == 1
+  *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_bf16(x0, x1);
+#else
+  *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_f16(x0, x1);
+#endif
+}
+
+// LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).
+__device__ __forceinline__ float lse2_of(float lse) {
+  return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse * kFaLog2e;
+}
+
+}  // namespace
