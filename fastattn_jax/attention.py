@@ -99,7 +99,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   recomputes P and dS tile by tile; dK and dV per key tile, dQ in a separate
   pass per query block, so every sum has a fixed order: deterministic, no
   atomics, no T x S buffer). Every CUDA path has backward kernels of the
-  same algorithm for H <= 128 (``attention_backward.cu``, and on "cuda_sm70"
+  same algorithm for H <= 128 (``attention_backward.cu``; on "cuda_sm90"
+  ``attention_backward_wgmma.cu``, on "cuda_sm70"
   ``attention_backward_volta.cu``: dK and dV per block of keys, dQ per block
   of query rows, deterministic), multiplying in the forward's 16-bit dtype.
   Above H = 128 the gradient runs in jax.numpy over blocks of whole query

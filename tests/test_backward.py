@@ -290,23 +290,25 @@ def test_blockwise_reference_backward(name, rng):
 
 def test_cuda_backward_plan_rules():
   """Which calls the CUDA backward kernels take (no GPU needed): every CUDA
-  path, H up to 128 (bias, mask and soft cap in the extras build); the sm80
-  and sm90 paths on kernel 80's build, sm75 on kernel 75's (float16 operands,
-  bfloat16 inputs converted), sm70 on the Volta kernel's; for dK and dV one
-  launch of ceil(S / Bc) * K * B blocks (Bc = 64; Volta: 128 keys up to
-  H = 64), for dQ one of ceil(T / Br) * N * B (Br = 64; Volta: 128). Every
-  build's shared memory fits its oldest GPU: 64 KB on a T4, 96 KB on a V100."""
+  path, H up to 128 (bias, mask and soft cap in the extras build), each on
+  its own kernel: sm90 on the wgmma build, sm80 on kernel 80's, sm75 on
+  kernel 75's (float16 operands, bfloat16 inputs converted), sm70 on the
+  Volta kernel's; for dK and dV one launch of ceil(S / Bc) * K * B blocks
+  (Bc = 64; Volta: 128 keys up to H = 64; wgmma: 128), for dQ one of
+  ceil(T / Br) * N * B (Br = 64; Volta and wgmma: 128). Every build's shared
+  memory fits its oldest GPU: 64 KB on a T4, 96 KB on a V100, 227 KB on an
+  H100."""
   config = attention.AttentionConfig(scale=0.125, is_causal=True)
   q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
   for path, kernel, bc, br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
-                               ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 80, 64, 64)):
+                               ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 90, 128, 128)):
     plan = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
     assert plan["backward"] and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
-    assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16" if kernel == 80 else "float16"]
+    assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
     launch = _ffi_launch(plan, q, k)
     assert launch["blocks"] == -(-999 // bc) * 2 * 2 and launch["units"] == -(-1000 // br) * 8 * 2
     assert launch["workspace_floats"] == 0
-  for path, arch, smem in (("cuda_sm70", 700, 96), ("cuda_sm75", 750, 64)):
+  for path, arch, smem in (("cuda_sm70", 700, 96), ("cuda_sm75", 750, 64), ("cuda_sm90", 900, 227)):
     for h in range(32, 129, 32):
       qh, kh = (1, 100, 2, h), (1, 100, 2, h)
       plan = cuda.plan(path, config, qh, kh, jnp.float16, True, backward=True)
@@ -317,7 +319,7 @@ def test_cuda_backward_plan_rules():
   for cfg, bias, mask in ((config, True, False), (config, False, True),
                           (dataclasses.replace(config, softcap=5.0), False, False)):
     assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]
-  for path in ("cuda_sm70", "cuda_sm75", "cuda_sm80"):  # H > 128: no backward kernel
+  for path in ("cuda_sm70", "cuda_sm75", "cuda_sm80", "cuda_sm90"):  # H > 128: no backward kernel
     qs, ks = (2, 10, 8, 136), (2, 10, 2, 136)
     assert not backends.fused_backward(path, config, qs, ks, jnp.float16)
     with pytest.raises(ValueError):

@@ -54,9 +54,9 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
-    if (backward != 1 || (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80) || decode_rows ||
-        head_dim > kFaMaxBackwardHeadDim) {
-      return "the backward kernels are built for sm 70, 75 and 80, up to H=" +
+    if (backward != 1 || (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
+        decode_rows || head_dim > kFaMaxBackwardHeadDim) {
+      return "the backward kernels are built for sm 70, 75, 80 and 90, up to H=" +
              std::to_string(kFaMaxBackwardHeadDim);
     }
     if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
@@ -77,7 +77,9 @@ std::string KernelVariant::Check() const {
 }
 
 std::string KernelVariant::SourceFile() const {
-  return backward ? (kernel_sm == 70 ? "attention_backward_volta.cu" : "attention_backward.cu")
+  return backward ? (kernel_sm == 70   ? "attention_backward_volta.cu"
+                     : kernel_sm == 90 ? "attention_backward_wgmma.cu"
+                                       : "attention_backward.cu")
        : decode_rows ? "attention_decode.cu"
        : kernel_sm == 70 ? "attention_volta.cu"
        : kernel_sm == 90 ? "attention_wgmma.cu"
@@ -147,9 +149,8 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   // Plain kernels take row maxima of the unscaled logits, valid for scale > 0.
   const bool extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
   if (c.backward) {
-    const int kernel = BackwardKernel(kernel_sm);
     v.backward = 1;
-    on_kernel(kernel);
+    on_kernel(kernel_sm);
     if (v.head_dim > kFaMaxBackwardHeadDim) {
       return "the backward kernels take head dims up to " +
              std::to_string(kFaMaxBackwardHeadDim) + ", got H=" + std::to_string(c.H);
@@ -282,8 +283,6 @@ int OperandDtype(int kernel_sm, int dtype) {
   return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
 }
 
-int BackwardKernel(int kernel_sm) { return kernel_sm >= 80 ? 80 : kernel_sm; }
-
 int DefaultKernel(int cc, int64_t head_dim) {
   if (fa_runs_on(90, cc) && fa_kernel_head_dim(90, head_dim) == fa_kernel_head_dim(80, head_dim)) {
     return 90;
@@ -318,9 +317,8 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
     for (int dtype : dtypes) {
       for (int h : head_dims) {
         add_kernel(kernel_sm, 0, dtype, h);
-        const int kernel = BackwardKernel(kernel_sm);
-        if (fa_kernel_head_dim(kernel, h) <= kFaMaxBackwardHeadDim) {
-          add_kernel(kernel, 1, dtype, h);
+        if (fa_kernel_head_dim(kernel_sm, h) <= kFaMaxBackwardHeadDim) {
+          add_kernel(kernel_sm, 1, dtype, h);
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
           KernelVariant v;

@@ -147,25 +147,6 @@ __device__ __forceinline__ void accumulate(const float (&c)[kK / 8][4], unsigned
   }
 }
 
-// Rows row0 and row0 + 8 of a 16-row accumulator tile, times `scale`, into
-// (b, row, head) of a (B, L, heads, H) array of FA_OUT_DTYPE (rows >= L
-// skipped).
-__device__ __forceinline__ void write_rows(void* out, const long long (&stride)[3], int b,
-                                           int head, int row0, int rows, int H, int t4,
-                                           float scale, const float (&acc)[kNo][4]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    if (row >= rows) continue;
-    const long long at = fa_at(stride, b, row, head);
-#pragma unroll
-    for (int nt = 0; nt < kNo; ++nt) {
-      const int col = nt * 8 + 2 * t4;
-      if (col >= H) continue;
-      fa_store_pair(out, at + col, acc[nt][2 * h] * scale, acc[nt][2 * h + 1] * scale);
-    }
-  }
-}
 
 }  // namespace
 
@@ -300,8 +281,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     n = nn;
     i0 = ni;
   }
-  write_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
-  write_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
+  fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
+  fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -387,5 +368,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (kStages == 1 && more) load_kv(0, tile + 1);
     }
   }
-  write_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
+  fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
 }

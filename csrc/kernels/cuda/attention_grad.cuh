@@ -1,7 +1,7 @@
-// What the backward kernels (attention_backward.cu, attention_backward_volta.cu)
-// share: the probability and dS of one (query row, key) pair from its raw
-// products, with the bias, mask and soft cap of FA_EXTRAS builds, and the
-// store of two adjacent gradient elements.
+// What the backward kernels (attention_backward.cu, attention_backward_volta.cu,
+// attention_backward_wgmma.cu) share: the probability and dS of one (query
+// row, key) pair from its raw products, with the bias, mask and soft cap of
+// FA_EXTRAS builds, and the stores of gradient elements.
 #pragma once
 
 #include "attention_split.cuh"
@@ -48,6 +48,29 @@ __device__ __forceinline__ void fa_store_pair(void* out, long long at, float x0,
 #else
   *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_f16(x0, x1);
 #endif
+}
+
+// Rows row0 and row0 + 8 of a 16-row accumulator tile (the m16n8 layout of
+// attention_m16n8.cuh, also wgmma's per warp), times `scale`, into
+// (b, row, head) of a (B, L, heads, H) array of FA_OUT_DTYPE (rows >= L
+// skipped).
+template <int kNo>
+__device__ __forceinline__ void fa_write_grad_rows(void* out, const long long (&stride)[3],
+                                                   int b, int head, int row0, int rows, int H,
+                                                   int t4, float scale,
+                                                   const float (&acc)[kNo][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    if (row >= rows) continue;
+    const long long at = fa_at(stride, b, row, head);
+#pragma unroll
+    for (int nt = 0; nt < kNo; ++nt) {
+      const int col = nt * 8 + 2 * t4;
+      if (col >= H) continue;
+      fa_store_pair(out, at + col, acc[nt][2 * h] * scale, acc[nt][2 * h + 1] * scale);
+    }
+  }
 }
 
 // LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).

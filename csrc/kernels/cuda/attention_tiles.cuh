@@ -202,14 +202,30 @@ FA_TILE_FN int fa_volta_backward_key_groups(int h) { return h <= 64 ? 4 : 2; }
 constexpr int kFaVoltaBackwardQueryRows = 16;
 FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
 
+// Kernel 90's (attention_backward_wgmma.cu): both kernels run a producer
+// warpgroup and two consumer warpgroups of 64 rows each, and step over 64
+// rows (fa_backward_dkdv: query rows of Q and dO with their LSE and D;
+// fa_backward_dq: keys of K and V) in kFaWgmmaBackwardStages stages.
+constexpr int kFaWgmmaBackwardStep = 64;
+constexpr int kFaWgmmaBackwardStages = 2;
+
 // The backward kernels' tile: block_m query rows per fa_backward_dq block,
 // block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
 // larger of the two. Kernels 75 and 80: fa_backward_dq on Br = 64 query rows
 // (16 per warp) holding Q, dO and the stages' K and V tiles of
 // fa_backward_dq_keys; fa_backward_dkdv on Bc = 64 keys holding K, V, and
 // the stages' Q and dO rows and their LSE and D. Kernel 70: the same in the
-// forward's padded rows (fa_volta_tile_bytes), one stage.
+// forward's padded rows (fa_volta_tile_bytes), one stage. Kernel 90: Br = Bc
+// = 128 (two consumer warpgroups of 64), 384 threads; fa_backward_dkdv holds K
+// and V and the stages' Q, dO, LSE and D, fa_backward_dq holds Q, dO, LSE and
+// D and the stages' K and V; then alignment slack and the mbarriers.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h) {
+  if (kernel_sm == 90) {
+    const int step = kFaWgmmaBackwardStep, stages = kFaWgmmaBackwardStages;
+    const int dkdv = 2 * 128 * h * 2 + stages * (2 * step * h * 2 + 2 * step * 4);
+    const int dq = 2 * 128 * h * 2 + 2 * 128 * 4 + stages * 2 * step * h * 2;
+    return FaTile{128, 128, 3 * 128, (dq > dkdv ? dq : dkdv) + 1024 + 128};
+  }
   if (kernel_sm == 70) {
     const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
     const int rows = kFaVoltaBackwardQueryRows;

@@ -1,0 +1,338 @@
+// Fused attention backward on Hopper's warpgroup tensor cores, kernel 90
+// (wgmma.mma_async, sm_90a), fp16/bf16, kernel head dims 64 and 128:
+// FlashAttention-2's backward (Dao 2023, Algorithm 2) as the two kernels of
+// attention_backward.cu (disjoint outputs, every sum in one order), each
+// shaped like the forward of attention_wgmma.cu: a producer warpgroup fills
+// kStages shared-memory stages (cp.async, which zero-fills rows past a
+// length and columns past H), two consumer warpgroups of 64 rows compute, and
+// mbarriers link them.
+//
+//   fa_backward_dkdv  a block owns Bc = 128 keys of one (batch, key/value
+//                     head), 64 per consumer warpgroup, with K and V
+//                     resident, and walks the steps of kStep query rows of
+//                     the G heads that see one of its keys. Keys are the
+//                     rows (wgmma's M) of
+//                       S^T  = K Q^T, dP^T = V dO^T      (A and B from shared memory)
+//                       P^T  = 2^(S^T scale log2(e) - LSE_2), dS^T = P^T (dP^T - D)
+//                       dV  += P^T dO, dK += dS^T Q      (A from registers, B
+//                                                         N-major: transposed)
+//                     as S = Q K^T and O += P V are in the forward, so P^T
+//                     and dS^T feed the next products from registers.
+//   fa_backward_dq    a block owns Br = 128 query rows of one (batch, head),
+//                     64 per consumer warpgroup, with Q, dO, LSE and D
+//                     resident, and walks the tiles of kStep keys they see:
+//                       S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
+//
+// D = rowsum(dO o O) - dLSE comes precomputed from the caller. Rows that see
+// no key, and rows past the query length, have LSE_2 = +inf: P = 0.
+#include "attention_grad.cuh"
+#include "attention_wgmma.cuh"
+
+namespace {
+
+constexpr FaTile kTile = fa_backward_tile(90, kH);
+constexpr int kWG = 2;                   // consumer warpgroups of 64 rows
+constexpr int kThreads = kTile.threads;  // + the producer warpgroup
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+constexpr int kBr = kTile.block_m;       // fa_backward_dq: query rows per block
+constexpr int kBc = kTile.block_n;       // fa_backward_dkdv: keys per block
+constexpr int kStep = kFaWgmmaBackwardStep;
+constexpr int kStages = kFaWgmmaBackwardStages;
+constexpr int kBlockBytes = 128 * kH * 2;  // a resident tile of 128 rows
+constexpr int kStepBytes = kStep * kH * 2;
+constexpr int kNs = kStep / 8;  // n8 blocks of S^T, dP^T (dK/dV) or S, dP (dQ)
+constexpr int kNo = kH / 8;     // n8 blocks of a gradient row
+static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64 && kBc == kWG * 64, "tile");
+static_assert(kH == 64 || kH == 128, "the backward kernels take kernel head dims 64 and 128");
+
+// A tile of ROWS rows of a (B, L, heads, H) array, from row `row` of `head`
+// (rows at or past `valid` load as zeros), into its swizzled panels at dst.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(unsigned dst, const void* base,
+                                          const long long (&stride)[3], int b, int row,
+                                          int head, int valid, int H, int ltid) {
+  tile_async<ROWS>(dst, FaTileSrc{static_cast<const unsigned short*>(base) +
+                                      fa_at(stride, b, row, head),
+                                  stride[1], valid - row, H},
+                   ltid);
+}
+
+// ROWS rows' LSE (log2 domain; +inf past the query length) and D, from
+// query row `row` of head n, into lse[0..ROWS) and lse[ROWS..2 ROWS).
+template <int ROWS>
+__device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, int b, int n,
+                                             int row, int q_len, int ltid) {
+  static_assert(ROWS <= kLoaders, "a producer thread per row");
+  if (ltid < ROWS) {
+    const bool live = row + ltid < q_len;
+    const long long at = fa_at(p.lse_stride, b, row + ltid, n);
+    lse[ltid] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+    lse[ROWS + ltid] = live ? p.delta[at] : 0.f;
+  }
+}
+
+// Waits for a full stage; cp.async wrote it through the generic proxy and
+// wgmma reads through the async one.
+__device__ __forceinline__ void acquire(unsigned bar, int parity) {
+  mbar_wait(bar, parity);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Each consumer warp's arrival on an "empty" barrier once its wgmma is done.
+__device__ __forceinline__ void release(unsigned bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar);
+}
+
+// c = A B^T and d = A' B'^T over H (wgmma's K): A, A' the warpgroup's 64 rows
+// at a, ad (tiles of a_rows rows), B, B' kStep rows at bb, bd; K-major
+// operands, one 128-byte-swizzled panel per 64 columns.
+template <int kARows>
+__device__ __forceinline__ void two_products(unsigned a, unsigned ad, unsigned bb, unsigned bd,
+                                             int wg, float (&c)[kNs][4], float (&d)[kNs][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kH / 16; ++kk) {
+    const unsigned ao = (kk >> 2) * kARows * 128 + wg * 64 * 128 + (kk & 3) * 32;
+    const unsigned bo = (kk >> 2) * kStep * 128 + (kk & 3) * 32;
+    wgmma_ss<kStep>(&c[0][0], desc(a + ao, 16, 1024), desc(bb + bo, 16, 1024), kk > 0);
+    wgmma_ss<kStep>(&d[0][0], desc(ad + ao, 16, 1024), desc(bd + bo, 16, 1024), kk > 0);
+  }
+  wg_commit();
+}
+
+// acc += A B, A the packed rows of a (kStep columns = wgmma's K), B the kStep
+// rows of the tile at bb read N-major (transposed): steps of 16 rows, 2048
+// bytes; 64-column panels kStep * 128 bytes apart.
+__device__ __forceinline__ void product_rs(float (&acc)[kNo][4], const unsigned (&a)[kStep / 16][4],
+                                           unsigned bb) {
+#pragma unroll
+  for (int kk = 0; kk < kStep / 16; ++kk) {
+    wgmma_rs<kH>(&acc[0][0], a[kk], desc(bb + kk * 2048, kStep * 128, 1024));
+  }
+}
+
+__device__ __forceinline__ void zero(float (&acc)[kNo][4]) {
+#pragma unroll
+  for (int i = 0; i < kNo; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+}  // namespace
+
+extern "C" __constant__ int fa_params_bytes = sizeof(FaGradParams);
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    fa_backward_dkdv(const FaGradParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int tiles = (p.S + kBc - 1) / kBc;
+  const int kvh = blockIdx.x / tiles % p.K, b = blockIdx.x / tiles / p.K;
+  const int j0 = blockIdx.x % tiles * kBc;
+  const int G = p.N / p.K;
+  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  const int j1 = min(j0 + kBc, kv_len);
+
+  const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
+  const unsigned sk = sbase, sv = sk + kBlockBytes;
+  auto sq = [&](int st) { return sv + kBlockBytes + st * 2 * kStepBytes; };
+  auto sdo = [&](int st) { return sq(st) + kStepBytes; };
+  float* const scalars = reinterpret_cast<float*>(smem + (sbase - fa_smem_u32(smem)) +
+                                                  2 * kBlockBytes + kStages * 2 * kStepBytes);
+  auto s_lse = [&](int st) { return scalars + st * 2 * kStep; };  // then D
+  const unsigned bars = fa_smem_u32(scalars + kStages * 2 * kStep);
+  const unsigned kv_full = bars;
+  auto q_full = [&](int st) { return bars + 8 + st * 8; };
+  auto q_empty = [&](int st) { return bars + 8 + (kStages + st) * 8; };
+  if (tid == 0) {
+    mbar_init(kv_full, kLoaders);
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(q_full(st), 2 * kLoaders);  // the copies' and the scalars' arrivals
+      mbar_init(q_empty(st), kWG * 4);
+    }
+  }
+  __syncthreads();
+
+  // The query steps (head n, rows i0 .. i0 + kStep) that see a key of the
+  // block, in order: the same for every thread.
+  const int n_end = (kvh + 1) * G;
+  auto advance = [&](int& n, int& i0) {
+    for (i0 += kStep;; i0 += kStep) {
+      if (i0 >= q_len) {
+        i0 = 0;
+        if (++n >= n_end) return;
+      }
+      int lo, hi;
+      fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kStep, &lo, &hi);
+      if (hi > j0 && lo < j1) return;
+    }
+  };
+  int n = j0 < kv_len ? kvh * G : n_end, i0 = -kStep;  // keys past the length: no step
+  if (n < n_end) advance(n, i0);
+
+  if (wg == kWG) {
+    // Producer: K and V once, then each step's Q, dO, LSE and D into the
+    // stage the consumers released. Step u uses stage u % kStages for the
+    // (u / kStages)-th time; its first use waits for nothing.
+    set_max_regs_dec<kProducerRegs>();
+    const int ltid = tid - kWG * 128;
+    if (n < n_end) {
+      load_tile<kBc>(sk, p.k, p.kv_stride, b, j0, kvh, kv_len, p.H, ltid);
+      load_tile<kBc>(sv, p.v, p.kv_stride, b, j0, kvh, kv_len, p.H, ltid);
+      mbar_arrive_cp_async(kv_full);
+    }
+    for (int u = 0; n < n_end; ++u, advance(n, i0)) {
+      const int st = u % kStages, ph = (u / kStages) & 1;
+      mbar_wait(q_empty(st), ph ^ 1);
+      load_tile<kStep>(sq(st), p.q, p.q_stride, b, i0, n, q_len, p.H, ltid);
+      load_tile<kStep>(sdo(st), p.d_out, p.out_stride, b, i0, n, q_len, p.H, ltid);
+      mbar_arrive_cp_async(q_full(st));
+      load_scalars<kStep>(s_lse(st), p, b, n, i0, q_len, ltid);
+      mbar_arrive(q_full(st));
+    }
+    return;
+  }
+
+  set_max_regs_inc<kConsumerRegs>();
+  // This warp's 16 keys: rows g and g + 8 of its accumulators.
+  const int wk0 = j0 + wg * 64 + (warp & 3) * 16, wk1 = wk0 + 16;
+  float dk[kNo][4], dv[kNo][4];
+  zero(dk);
+  zero(dv);
+  if (n < n_end) acquire(kv_full, 0);
+  for (int u = 0; n < n_end; ++u, advance(n, i0)) {
+    const int st = u % kStages, ph = (u / kStages) & 1;
+    acquire(q_full(st), ph);
+    float s[kNs][4], dp[kNs][4];
+    wg_fence();
+    two_products<kBc>(sk, sv, sq(st), sdo(st), wg, s, dp);
+    wg_wait<0>();
+    reg_fence<kNs * 4>(&s[0][0]);
+    reg_fence<kNs * 4>(&dp[0][0]);
+
+    const float* lse = s_lse(st);
+    const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kStep, wk0, wk1);
+#pragma unroll
+    for (int j = 0; j < kNs; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = wk0 + g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
+        const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
+        prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, lse[c], lse[kStep + c],
+                    &s[j][e], &dp[j][e]);
+      }
+    unsigned pa[kStep / 16][4], da[kStep / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kStep / 16; ++kk) {
+      fa_pack_a(s, kk, pa[kk]);
+      fa_pack_a(dp, kk, da[kk]);
+    }
+    reg_fence<kNo * 4>(&dv[0][0]);
+    reg_fence<kNo * 4>(&dk[0][0]);
+    wg_fence();
+    product_rs(dv, pa, sdo(st));
+    product_rs(dk, da, sq(st));
+    wg_commit();
+    wg_wait<0>();
+    reg_fence<kNo * 4>(&dv[0][0]);
+    reg_fence<kNo * 4>(&dk[0][0]);
+    release(q_empty(st), lane);
+  }
+  fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
+  fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    fa_backward_dq(const FaGradParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t4 = lane & 3;
+  const FaBlock blk = fa_block(p, kBr, kStep);
+  const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
+  const int q_len = blk.q_len, kv_len = blk.kv_len;
+
+  const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
+  const unsigned sq = sbase, sdo = sq + kBlockBytes;
+  auto sk = [&](int st) { return sdo + kBlockBytes + st * 2 * kStepBytes; };
+  auto sv = [&](int st) { return sk(st) + kStepBytes; };
+  float* const s_lse = reinterpret_cast<float*>(smem + (sbase - fa_smem_u32(smem)) +
+                                                2 * kBlockBytes + kStages * 2 * kStepBytes);
+  const unsigned bars = fa_smem_u32(s_lse + 2 * kBr);  // after LSE and D
+  const unsigned q_full = bars;
+  auto kv_full = [&](int st) { return bars + 8 + st * 8; };
+  auto kv_empty = [&](int st) { return bars + 8 + (kStages + st) * 8; };
+  if (tid == 0) {
+    mbar_init(q_full, 2 * kLoaders);  // the copies' and the scalars' arrivals
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(kv_full(st), kLoaders);
+      mbar_init(kv_empty(st), kWG * 4);
+    }
+  }
+  __syncthreads();
+
+  if (wg == kWG) {
+    // Producer: Q, dO, LSE and D once, then the K and V tiles into the
+    // stages the consumers released.
+    set_max_regs_dec<kProducerRegs>();
+    const int ltid = tid - kWG * 128;
+    if (blk.t_end > blk.t_begin) {
+      load_tile<kBr>(sq, p.q, p.q_stride, b, m0, n, q_len, p.H, ltid);
+      load_tile<kBr>(sdo, p.d_out, p.out_stride, b, m0, n, q_len, p.H, ltid);
+      mbar_arrive_cp_async(q_full);
+      load_scalars<kBr>(s_lse, p, b, n, m0, q_len, ltid);
+      mbar_arrive(q_full);
+    }
+    for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
+      const int u = tile - blk.t_begin, st = u % kStages, ph = (u / kStages) & 1;
+      mbar_wait(kv_empty(st), ph ^ 1);
+      load_tile<kStep>(sk(st), p.k, p.kv_stride, b, tile * kStep, kvh, kv_len, p.H, ltid);
+      load_tile<kStep>(sv(st), p.v, p.kv_stride, b, tile * kStep, kvh, kv_len, p.H, ltid);
+      mbar_arrive_cp_async(kv_full(st));
+    }
+    return;
+  }
+
+  set_max_regs_inc<kConsumerRegs>();
+  // This warp's 16 rows: g and g + 8 of its accumulators.
+  const int r0 = wg * 64 + (warp & 3) * 16, w0 = m0 + r0;
+  float dq[kNo][4];
+  zero(dq);
+  if (blk.t_end > blk.t_begin) {
+    acquire(q_full, 0);
+    const float lse2[2] = {s_lse[r0 + g], s_lse[r0 + g + 8]};
+    const float delta[2] = {s_lse[kBr + r0 + g], s_lse[kBr + r0 + g + 8]};
+    for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
+      const int u = tile - blk.t_begin, st = u % kStages, ph = (u / kStages) & 1;
+      const int n0 = tile * kStep;
+      acquire(kv_full(st), ph);
+      float s[kNs][4], dp[kNs][4];
+      wg_fence();
+      two_products<kBr>(sq, sdo, sk(st), sv(st), wg, s, dp);
+      wg_wait<0>();
+      reg_fence<kNs * 4>(&s[0][0]);
+      reg_fence<kNs * 4>(&dp[0][0]);
+
+      const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w0 + 16, n0, n0 + kStep);
+#pragma unroll
+      for (int j = 0; j < kNs; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = w0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
+          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
+          float pe;
+          prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[e >> 1], delta[e >> 1], &pe,
+                      &dp[j][e]);
+        }
+      unsigned da[kStep / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) fa_pack_a(dp, kk, da[kk]);
+      reg_fence<kNo * 4>(&dq[0][0]);
+      wg_fence();
+      product_rs(dq, da, sk(st));
+      wg_commit();
+      wg_wait<0>();
+      reg_fence<kNo * 4>(&dq[0][0]);
+      release(kv_empty(st), lane);
+    }
+  }
+  fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
+}
