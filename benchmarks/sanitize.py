@@ -29,6 +29,7 @@ CASES = (
     (2, 70, 200, 8, 1, 128, {"window": (37, 5)}, False, False, True),
     (1, 33, 90, 4, 4, 40, {}, False, False, True),
     (2, 65, 129, 4, 2, 96, {"softcap": 20.0}, True, True, True),
+    (1, 45, 77, 2, 1, 200, {"is_causal": True}, False, False, True),
 )
 
 #: fast_attention's name of each AttentionConfig rule above.

@@ -99,13 +99,15 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   recomputes P and dS tile by tile; dK and dV per key tile, dQ in a separate
   pass per query block, so every sum has a fixed order: deterministic, no
   atomics, no T x S buffer). Every CUDA path has backward kernels of the
-  same algorithm for H <= 128 (``attention_backward.cu``; on "cuda_sm90"
+  same algorithm for H <= 128, and "cuda_sm80" and "cuda_sm90" up to H = 256
+  (``attention_backward.cu``; on "cuda_sm90" up to H = 128
   ``attention_backward_wgmma.cu``, on "cuda_sm70"
   ``attention_backward_volta.cu``: dK and dV per block of keys, dQ per block
   of query rows, deterministic), multiplying in the forward's 16-bit dtype.
-  Above H = 128 the gradient runs in jax.numpy over blocks of whole query
-  rows (``reference.attention_grads``: each block's softmax recomputed in the
-  inputs' precision, XLA's matrix products, at most 2^25 logits at a time). A differentiated bias
+  Beyond those head dims the gradient runs in jax.numpy over blocks of whole
+  query rows (``reference.attention_grads``: each block's softmax recomputed
+  in the inputs' precision, XLA's matrix products, at most 2^25 logits at a
+  time). A differentiated bias
   gets its gradient (dS summed over its broadcast dims) from the reference
   math on every path, computed only when the bias is differentiated. Works
   under jit, vmap, scan, checkpoint and with inputs sharded along batch or

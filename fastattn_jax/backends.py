@@ -163,7 +163,8 @@ def fused_backward(implementation: str, config: AttentionConfig, q_shape, k_shap
                    bias: bool = False, mask: bool = False) -> bool:
   """Whether ``implementation`` has a fused backward for a call: always on the
   CPU; on the CUDA paths where the owner plans backward kernels for it
-  (``cuda.plan(..., backward=True)``: every CUDA path, H <= 128). Elsewhere the
+  (``cuda.plan(..., backward=True)``: every CUDA path up to H = 128, the sm80
+  and sm90 paths up to 256). Elsewhere the
   gradients come from ``reference.attention_grads``."""
   if implementation == "cpu":
     return True

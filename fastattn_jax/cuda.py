@@ -139,7 +139,7 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
-      H > 128), saying why.
+      H > 128 on the sm70 and sm75 paths), saying why.
   """
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]

@@ -291,7 +291,9 @@ def test_blockwise_reference_backward(name, rng):
 def test_cuda_backward_plan_rules():
   """Which calls the CUDA backward kernels take (no GPU needed): every CUDA
   path, H up to 128 (bias, mask and soft cap in the extras build), each on
-  its own kernel: sm90 on the wgmma build, sm80 on kernel 80's, sm75 on
+  its own kernel: sm90 on the wgmma build, sm80 on kernel 80's (which serves
+  sm80 and sm90 up to H = 256, each block holding half the columns of dK
+  and dV: twice the dK/dV blocks), sm75 on
   kernel 75's (float16 operands, bfloat16 inputs converted), sm70 on the
   Volta kernel's; for dK and dV one launch of ceil(S / Bc) * K * B blocks
   (Bc = 64; Volta: 128 keys up to H = 64; wgmma: 128), for dQ one of
@@ -319,11 +321,19 @@ def test_cuda_backward_plan_rules():
   for cfg, bias, mask in ((config, True, False), (config, False, True),
                           (dataclasses.replace(config, softcap=5.0), False, False)):
     assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]
-  for path in ("cuda_sm70", "cuda_sm75", "cuda_sm80", "cuda_sm90"):  # H > 128: no backward kernel
-    qs, ks = (2, 10, 8, 136), (2, 10, 2, 136)
+  qs, ks = (2, 1000, 8, 136), (2, 999, 2, 136)
+  for path in ("cuda_sm70", "cuda_sm75"):  # H > 128: no backward kernel
     assert not backends.fused_backward(path, config, qs, ks, jnp.float16)
     with pytest.raises(ValueError):
       cuda.plan(path, config, qs, ks, jnp.float16, backward=True)
+  for path in ("cuda_sm80", "cuda_sm90"):  # kernel 80's column parts, up to H = 256
+    plan = cuda.plan(path, config, qs, ks, jnp.float16, backward=True)
+    assert plan["kernel_sm"] == 80 and plan["head_dim"] == 160
+    launch = _ffi_launch(plan, qs, ks)
+    assert launch["blocks"] == -(-999 // 64) * 2 * 2 * 2 and launch["units"] == -(-1000 // 64) * 8 * 2
+    assert launch["smem_bytes"] <= 163 * 1024  # an A100's
+    big = (2, 10, 2, 264)
+    assert not backends.fused_backward(path, config, big, big, jnp.float16)
 
 
 def _ffi_launch(plan, q_shape, k_shape):

@@ -55,9 +55,10 @@ std::string KernelVariant::Check() const {
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
     if (backward != 1 || (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
-        decode_rows || head_dim > kFaMaxBackwardHeadDim) {
+        decode_rows || head_dim > fa_backward_max_head_dim(kernel_sm)) {
       return "the backward kernels are built for sm 70, 75, 80 and 90, up to H=" +
-             std::to_string(kFaMaxBackwardHeadDim);
+             std::to_string(fa_backward_max_head_dim(70)) + " (kernel 80: " +
+             std::to_string(fa_backward_max_head_dim(80)) + ")";
     }
     if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
     return "";
@@ -150,10 +151,11 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const bool extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
   if (c.backward) {
     v.backward = 1;
-    on_kernel(kernel_sm);
-    if (v.head_dim > kFaMaxBackwardHeadDim) {
+    on_kernel(BackwardKernel(kernel_sm, plan->row_elements));
+    if (v.head_dim > fa_backward_max_head_dim(v.kernel_sm)) {
       return "the backward kernels take head dims up to " +
-             std::to_string(kFaMaxBackwardHeadDim) + ", got H=" + std::to_string(c.H);
+             std::to_string(fa_backward_max_head_dim(v.kernel_sm)) + " on this path, got H=" +
+             std::to_string(c.H);
     }
     v.extras = extras;
     return "";
@@ -208,7 +210,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
     l.units = fa_forward_units(dims, l.tile.block_m);
-    l.blocks = CeilDiv(S, l.tile.block_n) * K * B;
+    l.blocks = CeilDiv(S, l.tile.block_n) * K * B * fa_backward_parts(v.kernel_sm, v.head_dim);
   } else if (v.decode_rows) {
     // The lean partition of the B * K heads' key steps (at most ceil(S /
     // block_n) each, at least one), over `blocks` blocks: the count with the
@@ -283,6 +285,12 @@ int OperandDtype(int kernel_sm, int dtype) {
   return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
 }
 
+int BackwardKernel(int kernel_sm, int64_t head_dim) {
+  return kernel_sm == 90 && fa_kernel_head_dim(90, head_dim) > fa_backward_max_head_dim(90)
+             ? 80
+             : kernel_sm;
+}
+
 int DefaultKernel(int cc, int64_t head_dim) {
   if (fa_runs_on(90, cc) && fa_kernel_head_dim(90, head_dim) == fa_kernel_head_dim(80, head_dim)) {
     return 90;
@@ -317,8 +325,9 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
     for (int dtype : dtypes) {
       for (int h : head_dims) {
         add_kernel(kernel_sm, 0, dtype, h);
-        if (fa_kernel_head_dim(kernel_sm, h) <= kFaMaxBackwardHeadDim) {
-          add_kernel(kernel_sm, 1, dtype, h);
+        const int backward = BackwardKernel(kernel_sm, h);
+        if (fa_kernel_head_dim(backward, h) <= fa_backward_max_head_dim(backward)) {
+          add_kernel(backward, 1, dtype, h);
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
           KernelVariant v;

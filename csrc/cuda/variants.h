@@ -107,6 +107,11 @@ int MaxBlocksPerSm(const FaTile& tile, int arch);
 // decode kernel reads bfloat16 on every arch (CallPlan says which applies).
 int OperandDtype(int kernel_sm, int dtype);
 
+// The backward kernel of the path of forward kernel `kernel_sm` at head dim
+// H: the path's own, except that path 90 runs kernel 80's above
+// fa_backward_max_head_dim(90) (its column parts take H up to 256).
+int BackwardKernel(int kernel_sm, int64_t head_dim);
+
 // The kernel `implementation=None` runs on a GPU of compute capability `cc`
 // (10 * major + minor) for head dim H: the newest that runs there, except
 // that 90 takes only H whose 32-multiple is a 64-multiple (it would compute
@@ -117,7 +122,7 @@ int DefaultKernel(int cc, int64_t head_dim);
 // capability `cc`: every kernel the GPU runs, at each head dim (rounded as
 // the kernel rounds it) and input dtype (kF16, kBF16; output alike), with
 // and without extras, the decode kernel at each rows per block, and the
-// backward kernels (each path's own, head dims up to kFaMaxBackwardHeadDim).
+// backward kernels (BackwardKernel, up to each one's fa_backward_max_head_dim).
 std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,
                                            const std::vector<int>& dtypes);
 

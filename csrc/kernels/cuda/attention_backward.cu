@@ -54,6 +54,9 @@ constexpr int kBq = fa_backward_query_rows(FA_KERNEL_SM, kH);  // fa_backward_dk
 constexpr int kStages = fa_backward_stages(FA_KERNEL_SM, kH);  // query steps in flight
 constexpr int kKs = kH / 16;                     // k16 steps over H
 constexpr int kNo = kH / 8;                      // n8 tiles over H
+constexpr int kParts = fa_backward_parts(FA_KERNEL_SM, kH);  // column parts of dK, dV
+constexpr int kNoP = kNo / kParts;               // a part's n8 tiles
+static_assert(kNoP % 2 == 0, "a part's columns in pairs of n8 tiles (ldmatrix x4)");
 
 // ROWS rows of a tile into shared memory at dst (smem: the block's base):
 // by cp.async on kernel 80, landed after loads_commit and loads_wait; through
@@ -128,17 +131,17 @@ __device__ __forceinline__ void rows_times_rows(unsigned a_base, unsigned b_base
   }
 }
 
-// acc[n8 tiles over H] += pack(c) (16 x kK, the accumulators of
-// rows_times_rows as the A operand) times the kK rows at b_base.
-template <int kK>
+// acc[kN n8 tiles] += pack(c) (16 x kK, the accumulators of rows_times_rows
+// as the A operand) times the kK rows at b_base (from its first column).
+template <int kK, int kN>
 __device__ __forceinline__ void accumulate(const float (&c)[kK / 8][4], unsigned b_base, int lane,
-                                           float (&acc)[kNo][4]) {
+                                           float (&acc)[kN][4]) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     unsigned a[4];
     fa_pack_a(c, kk, a);
 #pragma unroll
-    for (int np = 0; np < kNo / 2; ++np) {
+    for (int np = 0; np < kN / 2; ++np) {
       unsigned b[4];
       fa_ldsm_x4_t(b_base + bt_offset(lane) + kk * 16 * kRowBytes + np * 32, b);
       fa_mma16(acc[2 * np], a, b[0], b[1]);
@@ -158,8 +161,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int tiles = (p.S + kBc - 1) / kBc;
-  const int tile = blockIdx.x % tiles;
-  const int kvh = blockIdx.x / tiles % p.K, b = blockIdx.x / tiles / p.K;
+  // Column part `part` of dK and dV (fa_backward_parts), from column col0.
+  const int part = blockIdx.x % kParts, unit = blockIdx.x / kParts, col0 = part * kNoP * 8;
+  const int tile = unit % tiles;
+  const int kvh = unit / tiles % p.K, b = unit / tiles / p.K;
   const int G = p.N / p.K;
   const int j0 = tile * kBc;
   const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
@@ -172,9 +177,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float* s_lse = reinterpret_cast<float*>(smem + (2 * kBc + 2 * kStages * kBq) * kRowBytes);
   float* s_delta = s_lse + kStages * kBq;
 
-  float dk[kNo][4], dv[kNo][4];
+  float dk[kNoP][4], dv[kNoP][4];
 #pragma unroll
-  for (int i = 0; i < kNo; ++i) {
+  for (int i = 0; i < kNoP; ++i) {
     dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
     dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
   }
@@ -269,8 +274,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                           lse2[c], delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
             }
           }
-        accumulate<kBq>(s, sdo(st), lane, dv);
-        accumulate<kBq>(dp, sq(st), lane, dk);
+        accumulate<kBq>(s, sdo(st) + col0 * 2, lane, dv);
+        accumulate<kBq>(dp, sq(st) + col0 * 2, lane, dk);
       }
     }
     __syncthreads();  // stage st is read: free for step k + 2 (k + 1 with one stage)
@@ -281,8 +286,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     n = nn;
     i0 = ni;
   }
-  fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
-  fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
+  fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, col0, p.S, p.H, t4, p.rules.scale, dk);
+  fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, col0, p.S, p.H, t4, 1.f, dv);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -368,5 +373,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       if (kStages == 1 && more) load_kv(0, tile + 1);
     }
   }
-  fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
+  fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, 0, p.T, p.H, t4, p.rules.scale, dq);
 }

@@ -237,8 +237,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNo * 4>(&dk[0][0]);
     release(q_empty(st), lane);
   }
-  fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, p.rules.scale, dk);
-  fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, p.S, p.H, t4, 1.f, dv);
+  fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
+  fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, 1.f, dv);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -334,5 +334,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       release(kv_empty(st), lane);
     }
   }
-  fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, p.T, p.H, t4, p.rules.scale, dq);
+  fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, 0, p.T, p.H, t4, p.rules.scale, dq);
 }

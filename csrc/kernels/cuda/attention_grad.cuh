@@ -51,13 +51,13 @@ __device__ __forceinline__ void fa_store_pair(void* out, long long at, float x0,
 }
 
 // Rows row0 and row0 + 8 of a 16-row accumulator tile (the m16n8 layout of
-// attention_m16n8.cuh, also wgmma's per warp), times `scale`, into
-// (b, row, head) of a (B, L, heads, H) array of FA_OUT_DTYPE (rows >= L
-// skipped).
+// attention_m16n8.cuh, also wgmma's per warp) holding columns col0 .. col0 +
+// 8 kNo, times `scale`, into (b, row, head) of a (B, L, heads, H) array of
+// FA_OUT_DTYPE (rows >= L and columns >= H skipped).
 template <int kNo>
 __device__ __forceinline__ void fa_write_grad_rows(void* out, const long long (&stride)[3],
-                                                   int b, int head, int row0, int rows, int H,
-                                                   int t4, float scale,
+                                                   int b, int head, int row0, int col0, int rows,
+                                                   int H, int t4, float scale,
                                                    const float (&acc)[kNo][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -66,7 +66,7 @@ __device__ __forceinline__ void fa_write_grad_rows(void* out, const long long (&
     const long long at = fa_at(stride, b, row, head);
 #pragma unroll
     for (int nt = 0; nt < kNo; ++nt) {
-      const int col = nt * 8 + 2 * t4;
+      const int col = col0 + nt * 8 + 2 * t4;
       if (col >= H) continue;
       fa_store_pair(out, at + col, acc[nt][2 * h] * scale, acc[nt][2 * h + 1] * scale);
     }

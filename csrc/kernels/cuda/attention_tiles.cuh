@@ -162,9 +162,16 @@ constexpr int kFaMergeThreads = 128;
 
 // --- attention_backward.cu (kernels 75, 80), attention_backward_volta.cu (70) ---------
 
-// The largest head dim of the backward kernels: a fa_backward_dkdv lane holds
-// dK and dV, H / 2 registers each.
-constexpr int kFaMaxBackwardHeadDim = 128;
+// The largest kernel head dim of backward kernel `kernel_sm`: a
+// fa_backward_dkdv lane holds dK and dV, H / 2 registers each, or H / 4 each
+// where fa_backward_parts splits their columns: kernel 80 does above 128 and
+// so takes up to 256, the others up to 128.
+FA_TILE_FN int fa_backward_max_head_dim(int kernel_sm) { return kernel_sm == 80 ? 256 : 128; }
+// Column parts of dK and dV per key block: above H = 128 kernel 80 gives each
+// half of the columns a block of its own, which computes S^T and dP^T over all
+// of H as the other does (6 products per pair in place of 4; dQ's kernel
+// keeps all its columns).
+FA_TILE_FN int fa_backward_parts(int kernel_sm, int h) { return kernel_sm == 80 && h > 128 ? 2 : 1; }
 // fa_backward_dkdv's query rows per step: 64 up to H = 64, 32 above (S^T and
 // dP^T take rows / 4 registers each per lane, on top of dK and dV), 16 on
 // kernel 75 above H = 96 (at 32 its loads through registers spilled 20 bytes).
@@ -187,8 +194,11 @@ FA_TILE_FN int fa_backward_dq_smem(int kernel_sm, int h, int keys) {
   return (2 * 64 + 2 * fa_backward_stages(kernel_sm, h) * keys) * (2 * h + 16);
 }
 // fa_backward_dq's keys per step: 64, or 32 where kernel 75's 64 KB would not
-// hold 64 (H = 128: 256 rows of 272 bytes, 68 KB).
+// hold 64 (H = 128: 256 rows of 272 bytes, 68 KB); above H = 128, where dQ
+// takes H / 2 registers a lane beside S's and dP's keys / 4 each, 32, and 16
+// above H = 192 (at 32 the H = 256 build spilled 48 bytes).
 FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
+  if (h > 128) return h > 192 ? 16 : 32;
   return kernel_sm == 75 && fa_backward_dq_smem(75, h, 64) > fa_mma16_smem_budget(75, 750) ? 32
                                                                                              : 64;
 }
