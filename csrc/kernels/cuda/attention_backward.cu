@@ -160,14 +160,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int tiles = (p.S + kBc - 1) / kBc;
   // Column part `part` of dK and dV (fa_backward_parts), from column col0.
-  const int part = blockIdx.x % kParts, unit = blockIdx.x / kParts, col0 = part * kNoP * 8;
-  const int tile = unit % tiles;
-  const int kvh = unit / tiles % p.K, b = unit / tiles / p.K;
-  const int G = p.N / p.K;
-  const int j0 = tile * kBc;
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
+  const int part = blockIdx.x % kParts, col0 = part * kNoP * 8;
+  const FaKeyBlock blk = fa_key_block(p, kBc, blockIdx.x / kParts);
+  const int b = blk.b, kvh = blk.kvh, j0 = blk.j0, q_len = blk.q_len, kv_len = blk.kv_len;
 
   const unsigned sk = fa_smem_u32(smem), sv = sk + kBc * kRowBytes;
   // Stage st of the query steps: Q and dO rows, then (after both stages) the
@@ -185,21 +181,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   }
   // This warp's keys: j0 + 16 warp + g and + 8.
   const int wk0 = j0 + 16 * warp, wk1 = wk0 + 16;
-  const int j1 = min(j0 + kBc, kv_len);
-  const int n_end = (kvh + 1) * G;
-  // The query steps (head n, rows i0 .. i0 + kBq) that see a key of the
-  // block, in order: the same for every thread.
-  auto advance = [&](int& n, int& i0) {
-    for (i0 += kBq;; i0 += kBq) {
-      if (i0 >= q_len) {
-        i0 = 0;
-        if (++n >= n_end) return;
-      }
-      int lo, hi;
-      fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
-      if (hi > j0 && lo < j1) return;
-    }
-  };
+  const int n_end = blk.n_end;
+  auto advance = [&](int& n, int& i0) { fa_next_step(p, blk, kBq, n, i0); };
   // Q and dO of a step into stage st, by cp.async (kernel 80) or through
   // registers (75); its LSE and D into registers, stored once the stage is
   // free (rows past the length: P = 0, D = 0).
@@ -227,8 +210,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   };
   static_assert(kBq <= kThreads, "a thread per row of a query step");
 
-  int n = j0 < kv_len ? kvh * G : n_end, i0 = -kBq;  // keys past the length: no step
-  if (n < n_end) advance(n, i0);
+  int n, i0;
+  fa_first_step(p, blk, kBq, n, i0);
   if (n < n_end) {
     const long long kv_at = fa_at(p.kv_stride, b, j0, kvh);
     tile_load<kBc>(smem, sk, FaTileSrc{static_cast<const unsigned short*>(p.k) + kv_at,
@@ -251,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       loads_wait();
     }
     __syncthreads();  // stage st (and, at first, K and V) landed for every warp
-    if (wk0 < j1) {
+    if (wk0 < blk.j1) {
       int lo, hi;
       fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
       if (hi > wk0 && lo < wk1) {  // a key of this warp is seen

@@ -141,12 +141,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dkdv(const Fa
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int t = lane & 3, t0 = lane & 1, t1 = (lane >> 1) & 1, h = lane >> 4;
   const int qp = (lane >> 2) & 3, rg = qp % kRGk, part = qp / kRGk;
-  const int tiles = (p.S + kBc - 1) / kBc;
-  const int kvh = blockIdx.x / tiles % p.K, b = blockIdx.x / tiles / p.K;
-  const int j0 = blockIdx.x % tiles * kBc;
-  const int G = p.N / p.K;
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
-  const int j1 = min(j0 + kBc, kv_len);
+  const FaKeyBlock blk = fa_key_block(p, kBc, blockIdx.x);
+  const int b = blk.b, kvh = blk.kvh, j0 = blk.j0, j1 = blk.j1;
+  const int q_len = blk.q_len, kv_len = blk.kv_len;
 
   // This warp's keys, the lane's A row (a key of the block's tile) and C rows
   // (keys, two).
@@ -160,45 +157,44 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dkdv(const Fa
 #pragma unroll
     for (int e = 0; e < 8; ++e) dk[j][e] = dv[j][e] = 0.f;
 
-  if (j0 < kv_len) {
+  int n, i0;
+  fa_first_step(p, blk, kBq, n, i0);
+  if (n < blk.n_end) {
     load_tile<kBc>(sk2, p.k, p.kv_stride, b, j0, kvh, kv_len, p.H, tid);
     load_tile<kBc>(sv2, p.v, p.kv_stride, b, j0, kvh, kv_len, p.H, tid);
-    for (int n = kvh * G; n < (kvh + 1) * G; ++n) {
-      for (int i0 = 0; i0 < q_len; i0 += kBq) {
-        int lo, hi;
-        fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
-        if (hi <= j0 || lo >= j1) continue;  // the same for every thread
-        __syncthreads();  // the previous step is done with Q, dO and the scalars
-        load_tile<kBq>(sq2, p.q, p.q_stride, b, i0, n, q_len, p.H, tid);
-        load_tile<kBq>(sdo2, p.d_out, p.out_stride, b, i0, n, q_len, p.H, tid);
-        for (int r = tid; r < kBq; r += kThreads) {
-          const bool live = i0 + r < q_len;
-          const long long at = fa_at(p.lse_stride, b, i0 + r, n);
-          s_lse[r] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
-          s_delta[r] = live ? p.delta[at] : 0.f;
-        }
-        __syncthreads();
-        if (wk0 >= j1 || hi <= wk0 || lo >= wk1) continue;  // no key of this warp is seen
-
-        float s[kBq / 8][8], dp[kBq / 8][8];
-        two_products<kBq>(sk2, sq2, sv2, sdo2, a_row, t, h, s, dp);
-        const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
-        unsigned pa[kBq / 4][2], da[kBq / 4][2];
-#pragma unroll
-        for (int j = 0; j < kBq / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const int key = c_key0 + (e & 2), c = j * 8 + (e & 4) + (e & 1) + 2 * t1;
-            const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
-            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, s_lse[c], s_delta[c],
-                        &s[j][e], &dp[j][e]);
-          }
-          volta_pack_a(s[j], t1, pa[2 * j], pa[2 * j + 1]);
-          volta_pack_a(dp[j], t1, da[2 * j], da[2 * j + 1]);
-        }
-        accumulate<kBq, kHSk, kNTOk>(pa, sdo2, t, h, part, dv);
-        accumulate<kBq, kHSk, kNTOk>(da, sq2, t, h, part, dk);
+    for (; n < blk.n_end; fa_next_step(p, blk, kBq, n, i0)) {
+      int lo, hi;
+      fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
+      __syncthreads();  // the previous step is done with Q, dO and the scalars
+      load_tile<kBq>(sq2, p.q, p.q_stride, b, i0, n, q_len, p.H, tid);
+      load_tile<kBq>(sdo2, p.d_out, p.out_stride, b, i0, n, q_len, p.H, tid);
+      for (int r = tid; r < kBq; r += kThreads) {
+        const bool live = i0 + r < q_len;
+        const long long at = fa_at(p.lse_stride, b, i0 + r, n);
+        s_lse[r] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+        s_delta[r] = live ? p.delta[at] : 0.f;
       }
+      __syncthreads();
+      if (wk0 >= j1 || hi <= wk0 || lo >= wk1) continue;  // no key of this warp is seen
+
+      float s[kBq / 8][8], dp[kBq / 8][8];
+      two_products<kBq>(sk2, sq2, sv2, sdo2, a_row, t, h, s, dp);
+      const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
+      unsigned pa[kBq / 4][2], da[kBq / 4][2];
+#pragma unroll
+      for (int j = 0; j < kBq / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int key = c_key0 + (e & 2), c = j * 8 + (e & 4) + (e & 1) + 2 * t1;
+          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
+          prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, s_lse[c], s_delta[c],
+                      &s[j][e], &dp[j][e]);
+        }
+        volta_pack_a(s[j], t1, pa[2 * j], pa[2 * j + 1]);
+        volta_pack_a(dp[j], t1, da[2 * j], da[2 * j + 1]);
+      }
+      accumulate<kBq, kHSk, kNTOk>(pa, sdo2, t, h, part, dv);
+      accumulate<kBq, kHSk, kNTOk>(da, sq2, t, h, part, dk);
     }
   }
   write_rows<kHSk, kNTOk>(p.dk, p.dkv_stride, b, kvh, c_key0, p.S, p.H, t1, part, p.rules.scale,

@@ -125,12 +125,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
-  const int tiles = (p.S + kBc - 1) / kBc;
-  const int kvh = blockIdx.x / tiles % p.K, b = blockIdx.x / tiles / p.K;
-  const int j0 = blockIdx.x % tiles * kBc;
-  const int G = p.N / p.K;
-  const int q_len = fa_q_len(p, b), kv_len = fa_kv_len(p, b);
-  const int j1 = min(j0 + kBc, kv_len);
+  const FaKeyBlock blk = fa_key_block(p, kBc, blockIdx.x);
+  const int b = blk.b, kvh = blk.kvh, j0 = blk.j0, q_len = blk.q_len, kv_len = blk.kv_len;
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sk = sbase, sv = sk + kBlockBytes;
@@ -152,22 +148,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // The query steps (head n, rows i0 .. i0 + kStep) that see a key of the
-  // block, in order: the same for every thread.
-  const int n_end = (kvh + 1) * G;
-  auto advance = [&](int& n, int& i0) {
-    for (i0 += kStep;; i0 += kStep) {
-      if (i0 >= q_len) {
-        i0 = 0;
-        if (++n >= n_end) return;
-      }
-      int lo, hi;
-      fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kStep, &lo, &hi);
-      if (hi > j0 && lo < j1) return;
-    }
-  };
-  int n = j0 < kv_len ? kvh * G : n_end, i0 = -kStep;  // keys past the length: no step
-  if (n < n_end) advance(n, i0);
+  const int n_end = blk.n_end;
+  auto advance = [&](int& n, int& i0) { fa_next_step(p, blk, kStep, n, i0); };
+  int n, i0;
+  fa_first_step(p, blk, kStep, n, i0);
 
   if (wg == kWG) {
     // Producer: K and V once, then each step's Q, dO, LSE and D into the

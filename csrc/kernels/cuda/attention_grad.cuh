@@ -73,6 +73,46 @@ __device__ __forceinline__ void fa_write_grad_rows(void* out, const long long (&
   }
 }
 
+// fa_backward_dkdv's block: keys [j0, j0 + bc) of (b, kvh), block `unit`
+// of ceil(S / bc) * K * B, read by the G = N / K query heads kvh G ..
+// n_end; j1 = min(j0 + bc, kv_len).
+struct FaKeyBlock {
+  int b, kvh, j0, j1, q_len, kv_len, n_end;
+};
+
+__device__ __forceinline__ FaKeyBlock fa_key_block(const FaParams& p, int bc, int unit) {
+  const int tiles = (p.S + bc - 1) / bc;
+  FaKeyBlock k;
+  k.kvh = unit / tiles % p.K, k.b = unit / tiles / p.K;
+  k.j0 = unit % tiles * bc;
+  k.q_len = fa_q_len(p, k.b), k.kv_len = fa_kv_len(p, k.b);
+  k.j1 = min(k.j0 + bc, k.kv_len);
+  k.n_end = (k.kvh + 1) * (p.N / p.K);
+  return k;
+}
+
+// The query steps (head n, rows i0 .. i0 + rows) that see a key of block k,
+// in order over its heads: fa_first_step, then fa_next_step until n ==
+// k.n_end. The same for every thread.
+__device__ __forceinline__ void fa_next_step(const FaParams& p, const FaKeyBlock& k, int rows,
+                                             int& n, int& i0) {
+  for (i0 += rows;; i0 += rows) {
+    if (i0 >= k.q_len) {
+      i0 = 0;
+      if (++n >= k.n_end) return;
+    }
+    int lo, hi;
+    fa_rows_keys(p.rules, k.q_len, k.kv_len, i0, i0 + rows, &lo, &hi);
+    if (hi > k.j0 && lo < k.j1) return;
+  }
+}
+__device__ __forceinline__ void fa_first_step(const FaParams& p, const FaKeyBlock& k, int rows,
+                                              int& n, int& i0) {
+  n = k.j0 < k.kv_len ? k.n_end - p.N / p.K : k.n_end;  // keys past the length: no step
+  i0 = -rows;
+  if (n < k.n_end) fa_next_step(p, k, rows, n, i0);
+}
+
 // LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).
 __device__ __forceinline__ float lse2_of(float lse) {
   return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse * kFaLog2e;
