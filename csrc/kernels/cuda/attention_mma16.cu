@@ -17,6 +17,7 @@
 // it because padded rows straddle 128-byte lines and made the L2 serve its
 // cp.async sectors 1.5 times (attention_decode.cu, above kRowChunks). Not
 // measured here.
+#include "attention_merge.cuh"
 #include "attention_m16n8.cuh"
 
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80

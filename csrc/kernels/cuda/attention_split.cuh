@@ -12,10 +12,10 @@
 //
 // Where the segments fall is the kernel's choice: the forward kernels cut
 // each unit into FaSplitKV::parts even shares (slots unit * parts + split)
-// and merge in a second launch (fa_merge, below); the decode kernel deals the
-// flattened (unit, key step) range out evenly to a wave of blocks across unit
-// boundaries (a lean, stream-K partition, below; slots block + unit) and
-// merges in the same launch. Either way a unit's slots are consecutive and
+// and merge in a second launch (fa_merge, attention_merge.cuh); the decode
+// kernel deals the flattened (unit, key step) range out evenly to a wave of
+// blocks across unit boundaries (a lean, stream-K partition, below; slots
+// block + unit) and merges in the same launch. Either way a unit's slots are consecutive and
 // fa_merge_segments merges them. On sm_90 the decode kernel's segments of a
 // unit can instead meet in a thread block cluster's shared memory (below),
 // merged by the same fa_merge_segments.
@@ -137,24 +137,6 @@ __device__ __forceinline__ void fa_merge_segments(const FaOperands& p, Load load
 __device__ __forceinline__ long long fa_forward_slot(const FaParams& p, const FaBlock& blk) {
   return p.split.parts > 1 ? (long long)blk.unit * p.split.parts + blk.split : -1;
 }
-
-// The forward kernels' merge, a second kernel of their module that the
-// handler launches after fa_forward when units are split: block u merges
-// unit u's `parts` slots into out and lse. (Merged in fa_forward's own
-// epilogue instead, the last segment's extra control flow made ptxas spill
-// kernel 80 at H = 128.)
-#ifndef FA_DECODE_ROWS
-extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaParams p) {
-  constexpr FaTile tile = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__);
-  const int block_m = tile.block_m;
-  const FaBlock blk = fa_block(p, block_m, tile.block_n);  // blockIdx.x: the unit, split 0
-  fa_merge_segments<8>(p, fa_workspace_slots(p.split, (long long)blk.unit * p.split.parts,
-                                              block_m, p.H),
-                       p.split.parts, min(block_m, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
-                       [&](int r) { return fa_at(p.out_stride, blk.b, blk.m0 + r, blk.n); },
-                       [&](int r) { return fa_at(p.lse_stride, blk.b, blk.m0 + r, blk.n); });
-}
-#endif
 
 // --- The lean partition (the decode kernel) ------------------------------------------
 

@@ -156,7 +156,7 @@ FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
   return most > 1 ? most * rows * (h + 1) * 4 : 0;
 }
 
-// The forward kernels' split-KV merge (attention_split.cuh: fa_merge): threads
+// The forward kernels' split-KV merge (attention_merge.cuh: fa_merge): threads
 // per block, one block per unit.
 constexpr int kFaMergeThreads = 128;
 

@@ -51,6 +51,7 @@
 // bank pairs. The padding keeps every fragment address a per-lane base plus an
 // immediate (an XOR swizzle would not). Tile copies store each 16-byte global
 // load as two 8-byte halves, grouped per half-warp as item_rc describes.
+#include "attention_merge.cuh"
 #include "attention_volta.cuh"
 
 #if FA_KERNEL_SM != 70 || FA_DTYPE != 0

@@ -28,6 +28,7 @@
 // swizzle that TMA writes and wgmma reads; a panel is one TMA box. Q and K
 // are K-major operands; V, the B operand of P V, is N-major (H contiguous)
 // and read with the transpose flag.
+#include "attention_merge.cuh"
 #include "attention_wgmma.cuh"
 
 namespace {
