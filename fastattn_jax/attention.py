@@ -107,11 +107,10 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Beyond those head dims the gradient runs in jax.numpy over blocks of whole
   query rows (``reference.attention_grads``: each block's softmax recomputed
   in the inputs' precision, XLA's matrix products, at most 2^25 logits at a
-  time). A differentiated bias
-  gets its gradient (dS summed over its broadcast dims) from the reference
-  math on every path, computed only when the bias is differentiated. Works
-  under jit, vmap, scan, checkpoint and with inputs sharded along batch or
-  heads.
+  time). A differentiated bias gets its gradient (dS summed over its
+  broadcast dims) from the reference math on every path, computed only when
+  the bias is differentiated. Works under jit, vmap, scan, checkpoint and
+  with inputs sharded along batch or heads.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   out_shape = query.shape
