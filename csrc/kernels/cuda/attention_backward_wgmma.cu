@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(kv_full, kLoaders);
     for (int st = 0; st < kStages; ++st) {
       mbar_init(q_full(st), 2 * kLoaders);  // the copies' and the scalars' arrivals
-      mbar_init(q_empty(st), kWG * 4);
+      mbar_init(q_empty(st), kWG * 128);  // every consumer thread read the stage's LSE and D
     }
   }
   __syncthreads();
@@ -219,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wg_wait<0>();
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
-    release(q_empty(st), lane);
+    mbar_arrive(q_empty(st));
   }
   fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
   fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, 1.f, dv);
