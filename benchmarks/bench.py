@@ -119,13 +119,17 @@ def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
   return make
 
 
+def _deterministic(case: Case) -> Callable:
+  return functools.partial(fast_attention, is_causal=case.causal, deterministic=True)
+
+
 def _forced(path: str) -> Callable[[Case], Callable]:
   def make(case: Case) -> Callable:
     return functools.partial(fast_attention, is_causal=case.causal, implementation=path)
   return make
 
 
-def competitors(platform_name: str, dtype: str) -> list[Competitor]:
+def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[Competitor]:
   """fast_attention first, then what it is compared with on a JAX platform
   ("cpu", "gpu"), for inputs of ``dtype`` (a dtype name such as "bfloat16":
   it picks fast_attention's default path).
@@ -133,7 +137,10 @@ def competitors(platform_name: str, dtype: str) -> list[Competitor]:
   Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
   fast_attention forced onto the older kernel paths the GPU also runs
   ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
-  time them on the same silicon.
+  time them on the same silicon. With ``backward`` on a default path whose
+  backward adds dQ by atomics ("cuda_sm90"), also
+  fast_attention with ``deterministic=True``: its speedup column is the cost
+  of the fixed order.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
@@ -147,6 +154,9 @@ def competitors(platform_name: str, dtype: str) -> list[Competitor]:
       comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"), materializes_logits=False))
     if fast_path in ("cuda_sm80", "cuda_sm90"):
       comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"), materializes_logits=False))
+      if backward:
+        comps.append(Competitor("fastattn_deterministic", _deterministic,
+                                materializes_logits=False))
   return comps
 
 
@@ -536,7 +546,7 @@ def main(argv=None) -> None:
   budget = (memory_budget(jax.devices()[0]) if args.memory_budget is None
             else int(args.memory_budget * 2**30))
   gpu = env["platform"] == "gpu"
-  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype)
+  comps = competitors(env["platform"], "bfloat16" if dtype == "both" else dtype, args.backward)
   names = [c.name for c in comps]
   cases = grid.cases(dtype, seq_lens, decode_lens)
   if args.backward:

@@ -121,11 +121,11 @@ NB_MODULE(_ffi, m) {
         [](int kernel_sm, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int dtype, bool bias, bool mask, bool q_lens, float scale, float softcap,
            int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right,
-           bool backward) {
+           bool backward, bool deterministic) {
           cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, q_lens,
                           fa_make_rules(scale, softcap, causal, end_aligned, window_left,
                                         window_right),
-                          backward};
+                          backward, deterministic};
           cu::CallPlan plan;
           if (std::string why = cu::PlanCall(kernel_sm, c, &plan); !why.empty()) {
             throw nb::value_error(why.c_str());
@@ -141,8 +141,9 @@ NB_MODULE(_ffi, m) {
         nb::arg("K"), nb::arg("H"), nb::arg("dtype"), nb::arg("bias"), nb::arg("mask"),
         nb::arg("q_lens"), nb::arg("scale"), nb::arg("softcap"), nb::arg("causal"),
         nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("backward") = false,
-        "The variant and operand layout kernel kernel_sm serves a call (or its backward) "
+        nb::arg("backward") = false, nb::arg("deterministic") = false,
+        "The variant and operand layout kernel kernel_sm serves a call (or its backward, "
+        "deterministic: with a fixed summation order) "
         "with; ValueError names why it cannot.");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,

@@ -19,7 +19,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
                    is_causal=False, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None,
                    logits_soft_cap=None, return_residual=False,
-                   implementation=None):
+                   implementation=None, deterministic=False):
   r"""Scaled dot-product attention, fused: a drop-in for ``jax.nn.dot_product_attention``.
 
   Computes, per batch b and query head n (reading key/value head
@@ -77,6 +77,14 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       A NaN in a value row reaches, on the CUDA and xla paths, the rows that
       share its key tile (0 * NaN inside the product), not only the rows that
       see it.
+    deterministic: static bool; the backward then sums every gradient in a
+      fixed order, so two runs give the same bits. Only the "cuda_sm90"
+      backward up to H = 128 depends on it: by default its dK/dV kernel also
+      adds dQ into a float32 buffer by atomics (FlashAttention-2's choice;
+      the order of the additions varies from run to run, within float32
+      rounding); with True, dQ takes a kernel of its own that computes S and
+      dP again (7 products instead of 5). Every other path is deterministic
+      either way.
 
   Returns:
     out, query's shape and dtype; with ``return_residual`` also the LSE, shape
@@ -92,7 +100,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     RuntimeError: (at the first run on a GPU) when no NVRTC can compile the
       kernel; the message says what to install.
     TypeError: on dtypes that do not fit, or traced values where static ones
-      are needed (scale, local_window_size, logits_soft_cap).
+      are needed (scale, local_window_size, logits_soft_cap, deterministic).
 
   Differentiable (``jax.grad``). The "cpu" path has a fused backward
   (FlashAttention-2's, Dao 2023, Algorithm 2: from the saved out and LSE it
@@ -103,14 +111,15 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   (``attention_backward.cu``; on "cuda_sm90" up to H = 128
   ``attention_backward_wgmma.cu``, on "cuda_sm70"
   ``attention_backward_volta.cu``: dK and dV per block of keys, dQ per block
-  of query rows, deterministic), multiplying in the forward's 16-bit dtype.
-  Beyond those head dims the gradient runs in jax.numpy over blocks of whole
-  query rows (``reference.attention_grads``: each block's softmax recomputed
-  in the inputs' precision, XLA's matrix products, at most 2^25 logits at a
-  time). A differentiated bias gets its gradient (dS summed over its
-  broadcast dims) from the reference math on every path, computed only when
-  the bias is differentiated. Works under jit, vmap, scan, checkpoint and
-  with inputs sharded along batch or heads.
+  of query rows; on "cuda_sm90" up to H = 128 dQ is added by the dK/dV
+  kernel through float32 atomics unless ``deterministic``), multiplying in
+  the forward's 16-bit dtype. Beyond those head dims the gradient runs in
+  jax.numpy over blocks of whole query rows (``reference.attention_grads``:
+  each block's softmax recomputed in the inputs' precision, XLA's matrix
+  products, at most 2^25 logits at a time). A differentiated bias gets its
+  gradient (dS summed over its broadcast dims) from the reference math on
+  every path, computed only when the bias is differentiated. Works under
+  jit, vmap, scan, checkpoint and with inputs sharded along batch or heads.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   out_shape = query.shape
@@ -120,6 +129,9 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   mask = _broadcast_operand("mask", mask, dims)
   q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims.B)
   kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims.B)
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError("deterministic must be a static Python bool, got "
+                    f"{type(deterministic).__name__}")
   config = AttentionConfig(
       scale=(1.0 / np.sqrt(dims.H) if scale is None
              else shapes.static_float("scale", scale)),
@@ -130,7 +142,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
                                    positive=True)),
       has_bias=bias is not None, has_mask=mask is not None,
       has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
-      implementation=requested_implementation(implementation, q.dtype))
+      implementation=requested_implementation(implementation, q.dtype),
+      deterministic=bool(deterministic))
 
   if config.implementation == "cudnn":
     if config.softcap is not None:

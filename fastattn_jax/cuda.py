@@ -133,9 +133,10 @@ def operand_dtype(implementation: str, dtype) -> str:
 def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
          bias: bool = False, mask: bool = False, q_lens: bool = False,
          backward: bool = False) -> dict:
-  """How ``implementation`` serves a call (with ``backward``, its gradients):
-  the owner's ``CallPlan`` as a dict (variant key and fields, operand dtype
-  code, row elements, fold_heads).
+  """How ``implementation`` serves a call (with ``backward``, its gradients,
+  in a fixed summation order where ``config.deterministic``): the owner's
+  ``CallPlan`` as a dict (variant key and fields, operand dtype code, row
+  elements, fold_heads).
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
@@ -147,7 +148,7 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
-      config.end_aligned, left, right, backward)
+      config.end_aligned, left, right, backward, config.deterministic)
 
 
 def kernel_shape(plan_: dict, q_shape, k_shape) -> tuple[int, ...]:
@@ -221,7 +222,9 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
 
   D = rowsum(dO o O) - dLSE is reduced here, by XLA (B, T, N float32); q, k,
   v and d_out go to the plan's operand dtype and rows as ``call`` sends them.
-  No gradient for the bias (``fastattn_jax.attention`` takes it elsewhere).
+  Kernel 90 adds dQ into float32 by atomics unless ``config.deterministic``
+  (then a pass of its own); it is rounded to q's dtype here. No gradient for
+  the bias (``fastattn_jax.attention`` takes it elsewhere).
   """
   B, T, N, H = q.shape
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
@@ -229,8 +232,11 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
   dtypes = (q.dtype, k.dtype, v.dtype)
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
   q, k, v, d_out = _kernel_rows(p, q, k, v, d_out)
+  # dQ in float32 where the dK/dV kernel adds it by atomics (variant backward 2).
+  dq_dtype = jnp.float32 if p["backward"] == 2 else dtypes[0]
   grads = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(
-      jax.ShapeDtypeStruct(x.shape, dtypes[0]) for x in (q, k, v)))(
+      jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
+                                                     (v, dtypes[0]))))(
           q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens),
           d_out, lse, delta, **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))

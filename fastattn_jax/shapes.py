@@ -40,6 +40,8 @@ class AttentionConfig:
     has_bias, has_mask, has_q_lens, has_kv_lens: which optional operands follow
       query, key and value, in that order.
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
+    deterministic: the backward sums in a fixed order (on kernel 80's CUDA
+      paths: dQ in a pass of its own rather than by atomics).
   """
 
   scale: float
@@ -52,6 +54,7 @@ class AttentionConfig:
   has_q_lens: bool = False
   has_kv_lens: bool = False
   implementation: str = "auto"
+  deterministic: bool = False
 
   def split_operands(self, operands):
     """Splits ``(q, k, v, *present optionals)`` into a 7-tuple with Nones."""

@@ -91,6 +91,11 @@ CASES = {
     "bf16_combined": Case(dtype="bfloat16", opts=(("local_window_size", (30, 30)),
                                                   ("logits_soft_cap", 20.0)),
                           bias=(2, 4, 97, 130)),
+    # The fixed-order backward (sm80 / sm90: dQ in a pass of its own, not by
+    # atomics; the same kernels elsewhere).
+    "deterministic_gqa": Case(N=8, K=2, H=128, dtype="bfloat16",
+                              opts=(("is_causal", True), ("deterministic", True))),
+    "deterministic_f16": Case(H=64, dtype="float16", opts=(("deterministic", True),)),
 }
 
 
@@ -127,7 +132,8 @@ def test_gradients_by_the_flash_attention_rule(name, rng, impl):
   rounded = (None if x is None else x.astype(computed) for x in (q, k, v, d_out, bias))
   xla = [g.astype(q.dtype) for g in _grads("xla", *rounded, mask, opts)]
   four_d = (lambda x: x[None]) if case.three_d else (lambda x: x)
-  ref = tu.reference64_grads(*(four_d(x) for x in (q, k, v, d_out)), bias, mask, **opts)
+  ref = tu.reference64_grads(*(four_d(x) for x in (q, k, v, d_out)), bias, mask,
+                             **{k_: v_ for k_, v_ in opts.items() if k_ != "deterministic"})
   for what, g, x, r, like in zip(("dQ", "dK", "dV", "dBias"), ours, xla, ref,
                                  (q, k, v, bias)):
     assert g.shape == like.shape and g.dtype == like.dtype, (what, g.shape, g.dtype)
@@ -187,15 +193,16 @@ def test_gradient_through_the_lse(rng, impl):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_backward_is_deterministic(dtype, rng, impl):
-  """Two runs give the same bits (no atomics, a fixed order of every sum)."""
+  """With deterministic=True two runs give the same bits (no atomics, a fixed
+  order of every sum)."""
   q, k, v = tu.qkv(rng, 2, 300, 333, 8, 2, 64, dtype=tu.DTYPES[dtype])
-  if not fused_backward(impl, q, k, is_causal=True):
+  if not fused_backward(impl, q, k, is_causal=True, deterministic=True):
     pytest.skip(f"{resolve_implementation(impl, dtype=q.dtype, head_dim=64)!r} has no fused "
                 "backward (it differentiates the reference math)")
   d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
   grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fast_attention(
-      q, k, v, is_causal=True, implementation=impl) * d_out).astype(jnp.float32),
-      argnums=(0, 1, 2)))
+      q, k, v, is_causal=True, implementation=impl, deterministic=True) * d_out).astype(
+          jnp.float32), argnums=(0, 1, 2)))
   first = [np.asarray(x) for x in grad(q, k, v)]
   for _ in range(3):
     again = [np.asarray(x) for x in grad(q, k, v)]
@@ -302,14 +309,19 @@ def test_cuda_backward_plan_rules():
   H100."""
   config = attention.AttentionConfig(scale=0.125, is_causal=True)
   q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
+  fixed = dataclasses.replace(config, deterministic=True)
   for path, kernel, bc, br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
                                ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 90, 128, 128)):
-    plan = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
-    assert plan["backward"] and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
+    plan = cuda.plan(path, fixed, q, k, jnp.bfloat16, backward=True)
+    assert plan["backward"] == 1 and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
     assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
     launch = _ffi_launch(plan, q, k)
     assert launch["blocks"] == -(-999 // bc) * 2 * 2 and launch["units"] == -(-1000 // br) * 8 * 2
     assert launch["workspace_floats"] == 0
+    # By default the wgmma dK/dV kernel adds dQ by atomics: no dQ launch.
+    fast = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
+    assert fast["backward"] == (2 if kernel == 90 else 1)
+    assert _ffi_launch(fast, q, k)["units"] == (0 if kernel == 90 else launch["units"])
   for path, arch, smem in (("cuda_sm70", 700, 96), ("cuda_sm75", 750, 64), ("cuda_sm90", 900, 227)):
     for h in range(32, 129, 32):
       qh, kh = (1, 100, 2, h), (1, 100, 2, h)

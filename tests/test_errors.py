@@ -129,11 +129,12 @@ def test_bad_input_raises_clear_error(name, how, rng):
   _check_message(err, patterns)
 
 
-@pytest.mark.parametrize("what", ["scale", "logits_soft_cap", "local_window_size"])
+@pytest.mark.parametrize("what", ["scale", "logits_soft_cap", "local_window_size",
+                                  "deterministic"])
 def test_traced_static_option_raises(what, rng):
   q = jnp.asarray(rng.standard_normal(Q), jnp.float32)
   k = jnp.asarray(rng.standard_normal(KV), jnp.float32)
-  value = 2 if what == "local_window_size" else 0.5
+  value = {"local_window_size": 2, "deterministic": True}.get(what, 0.5)
   f = jax.jit(lambda q, k, x: fast_attention(q, k, k, **{what: x}))
   with pytest.raises(TypeError) as err:
     f(q, k, value)

@@ -260,7 +260,7 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
       return DriverError(d, rc, v.backward ? "cuModuleGetFunction(fa_backward_dkdv)"
                                            : "cuModuleGetFunction(fa_forward)");
     }
-    if (v.backward) {
+    if (v.backward == 1) {  // the atomic-dQ build has no dQ pass
       if (auto rc = d.cuModuleGetFunction(&kernel->dq, module, "fa_backward_dq")) {
         return DriverError(d, rc, "cuModuleGetFunction(fa_backward_dq)");
       }

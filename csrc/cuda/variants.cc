@@ -33,7 +33,7 @@ std::string KernelVariant::Describe() const {
   const std::string types = std::string(DtypeName(dtype)) + "->" + DtypeName(out_dtype);
   if (backward) {
     return "backward sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " +
-           types + (extras ? " extras" : "");
+           types + (extras ? " extras" : "") + (backward == 2 ? " atomic-dQ" : "");
   }
   if (decode_rows) {
     return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
@@ -54,10 +54,11 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
-    if (backward != 1 || (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
+    if ((backward != 1 && !(backward == 2 && kernel_sm == 90)) ||
+        (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
         decode_rows || head_dim > fa_backward_max_head_dim(kernel_sm)) {
-      return "the backward kernels are built for sm 70, 75, 80 and 90, up to H=" +
-             std::to_string(fa_backward_max_head_dim(70)) + " (kernel 80: " +
+      return "the backward kernels are built for sm 70, 75, 80 and 90 (atomic dQ: 90), up to "
+             "H=" + std::to_string(fa_backward_max_head_dim(70)) + " (kernel 80: " +
              std::to_string(fa_backward_max_head_dim(80)) + ")";
     }
     if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
@@ -94,11 +95,12 @@ std::vector<std::string> KernelVariant::Defines() const {
                                 "-DFA_OUT_DTYPE=" + std::to_string(out_dtype)};
   d.push_back(decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(decode_rows)
                           : "-DFA_EXTRAS=" + std::to_string(extras));
+  if (backward) d.push_back("-DFA_ATOMIC_DQ=" + std::to_string(backward == 2));
   return d;
 }
 
 FaTile KernelVariant::Tile(int arch) const {
-  return backward      ? fa_backward_tile(kernel_sm, head_dim)
+  return backward      ? fa_backward_tile(kernel_sm, head_dim, backward == 2)
        : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
                      : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
 }
@@ -150,8 +152,9 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   // Plain kernels take row maxima of the unscaled logits, valid for scale > 0.
   const bool extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
   if (c.backward) {
-    v.backward = 1;
-    on_kernel(BackwardKernel(kernel_sm, plan->row_elements));
+    const int kernel = BackwardKernel(kernel_sm, plan->row_elements);
+    v.backward = kernel == 90 && !c.deterministic ? 2 : 1;
+    on_kernel(kernel);
     if (v.head_dim > fa_backward_max_head_dim(v.kernel_sm)) {
       return "the backward kernels take head dims up to " +
              std::to_string(fa_backward_max_head_dim(v.kernel_sm)) + " on this path, got H=" +
@@ -209,7 +212,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
   if (v.backward) {
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
-    l.units = fa_forward_units(dims, l.tile.block_m);
+    l.units = v.backward == 2 ? 0 : fa_forward_units(dims, l.tile.block_m);
     l.blocks = CeilDiv(S, l.tile.block_n) * K * B * fa_backward_parts(v.kernel_sm, v.head_dim);
   } else if (v.decode_rows) {
     // The lean partition of the B * K heads' key steps (at most ceil(S /
@@ -325,9 +328,12 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
     for (int dtype : dtypes) {
       for (int h : head_dims) {
         add_kernel(kernel_sm, 0, dtype, h);
-        const int backward = BackwardKernel(kernel_sm, h);
-        if (fa_kernel_head_dim(backward, h) <= fa_backward_max_head_dim(backward)) {
-          add_kernel(backward, 1, dtype, h);
+        const int kernel = BackwardKernel(kernel_sm, h);
+        if (fa_kernel_head_dim(kernel, h) <= fa_backward_max_head_dim(kernel)) {
+          // The fixed-order build, and kernel 90's atomic-dQ build.
+          for (int backward = 1; backward <= (kernel == 90 ? 2 : 1); ++backward) {
+            add_kernel(kernel, backward, dtype, h);
+          }
         }
         for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
           KernelVariant v;

@@ -29,7 +29,9 @@ struct KernelVariant {
   int out_dtype = kF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
-  int backward = 0;     // 1: the backward kernels (kernel_sm 70, 75 or 80)
+  int backward = 0;     // the backward kernels (kernel_sm 70, 75, 80 or 90): 1 dQ
+                        // in a pass of its own (deterministic), 2 (kernel 90)
+                        // dQ added into a float32 buffer by atomics
 
   // "sm80 H=128 bf16->bf16", "... extras", "decode sm80 rows=4 ...": for logs.
   std::string Describe() const;
@@ -53,6 +55,7 @@ struct CallShape {
   bool bias = false, mask = false, q_lens = false;
   FaRules rules{};
   bool backward = false;  // the gradients' kernels (attention_backward.cu)
+  bool deterministic = false;  // backward: a fixed summation order (no atomics)
 };
 
 // How a kernel serves a call.
@@ -77,7 +80,8 @@ std::string PlanCall(int kernel_sm, const CallShape& shape, CallPlan* plan);
 struct LaunchPlan {
   FaTile tile{};
   int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads;
-                          // backward: fa_backward_dq's grid (row blocks)
+                          // backward: fa_backward_dq's grid (row blocks; 0
+                          // where dK/dV's kernel adds dQ by atomics)
   int64_t blocks = 0;     // the grid (backward: fa_backward_dkdv's, key tiles)
   int parts = 1;          // FaSplitKV::parts: forward splits per unit; decode:
                           // blocks of the lean partition

@@ -118,14 +118,16 @@ int DtypeCode(ffi::DataType t) {
 
 // Checks the buffers against the site's variant; *d gets the call's shapes.
 ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                     ffi::AnyBuffer out, fastattn::QkvDims* d) {
+                     ffi::AnyBuffer out, fastattn::QkvDims* d,
+                     ffi::DataType out_type = ffi::DataType::INVALID) {
+  if (out_type == ffi::DataType::INVALID) out_type = out.element_type();
   if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), d);
       err.failure()) {
     return err;
   }
   const cu::KernelVariant& var = site.variant;
   if (DtypeCode(q.element_type()) != var.dtype || k.element_type() != q.element_type() ||
-      v.element_type() != q.element_type() || DtypeCode(out.element_type()) != var.out_dtype) {
+      v.element_type() != q.element_type() || DtypeCode(out_type) != var.out_dtype) {
     return ffi::Error::InvalidArgument("CUDA attention kernel " + var.Describe() +
                                        ": query, key, value or out has another dtype");
   }
@@ -236,22 +238,26 @@ ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q
 }
 
 // The backward's buffers: d_out and the gradients as query, key and value
-// (CheckCall's rules, with dq in out's place), lse and delta (B, T, N).
+// (CheckCall's rules, with dq in out's place; dq float32 where the variant
+// adds it by atomics), lse and delta (B, T, N).
 ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
                          ffi::Buffer<ffi::F32> delta, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                          ffi::AnyBuffer dv, fastattn::QkvDims* d) {
-  if (auto err = CheckCall(site, q, k, v, dq, d); err.failure()) return err;
+  const bool atomic = site.variant.backward == 2;
+  if (auto err = CheckCall(site, q, k, v, dq, d, dk.element_type()); err.failure()) return err;
   const int64_t rows = d->B * d->T * d->N;
   if (d_out.element_type() != q.element_type() ||
-      d_out.element_count() != q.element_count() || dk.element_type() != dq.element_type() ||
-      dv.element_type() != dq.element_type() || dk.element_count() != k.element_count() ||
+      d_out.element_count() != q.element_count() ||
+      dq.element_type() != (atomic ? ffi::DataType::F32 : dk.element_type()) ||
+      dv.element_type() != dk.element_type() || dk.element_count() != k.element_count() ||
       dv.element_count() != v.element_count() ||
       static_cast<int64_t>(lse.element_count()) != rows ||
       static_cast<int64_t>(delta.element_count()) != rows) {
     return ffi::Error::InvalidArgument(
-        "CUDA attention backward: d_out must be as query, dk and dv as key and value in dq's "
-        "dtype, lse and delta (B, T, N)");
+        "CUDA attention backward: d_out must be as query, dk and dv as key and value in the "
+        "output dtype, dq in it too (float32 for the atomic-dQ variant), lse and delta "
+        "(B, T, N)");
   }
   return ffi::Error::Success();
 }
@@ -464,6 +470,12 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
   const cu::LoadedKernel& kn = *c->kernel;
   void* args[1] = {&p};
   std::string error;
+  if (site->variant.backward == 2) {  // fa_backward_dkdv adds dQ into zeros
+    if (auto rc = driver->cuMemsetD32Async(reinterpret_cast<cu::CUdeviceptr>(p.dq), 0,
+                                           dq->element_count(), stream)) {
+      return ffi::Error::Internal(cu::DriverError(*driver, rc, "cuMemsetD32Async(dq)"));
+    }
+  }
   if (c->plan.blocks > 0) {
     error = cu::Launch(*driver, kn.function, static_cast<unsigned>(c->plan.blocks),
                        kn.tile.threads, kn.tile.smem_bytes, 1, stream, args,

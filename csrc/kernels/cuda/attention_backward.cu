@@ -45,7 +45,7 @@ namespace {
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kRowBytes = kH * 2 + 16;
 constexpr int kChunks = kH / 8;
-constexpr FaTile kTile = fa_backward_tile(FA_KERNEL_SM, kH);
+constexpr FaTile kTile = fa_backward_tile(FA_KERNEL_SM, kH, false);
 constexpr int kThreads = kTile.threads;
 constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per block
 constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block

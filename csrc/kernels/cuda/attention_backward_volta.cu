@@ -30,7 +30,7 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_backward_tile(70, kH);
+constexpr FaTile kTile = fa_backward_tile(70, kH, false);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kKS = kH / 4;  // k4 steps over H

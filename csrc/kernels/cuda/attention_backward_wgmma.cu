@@ -18,9 +18,17 @@
 //                                                         N-major: transposed)
 //                     as S = Q K^T and O += P V are in the forward, so P^T
 //                     and dS^T feed the next products from registers.
-//   fa_backward_dq    a block owns Br = 128 query rows of one (batch, head),
-//                     64 per consumer warpgroup, with Q, dO, LSE and D
-//                     resident, and walks the tiles of kStep keys they see:
+//                     With FA_ATOMIC_DQ (the default build; FlashAttention-2's
+//                     choice) it also adds each step's
+//                       dQ += dS K                        (both from shared memory)
+//                     into a float32 dQ by atomics: both warpgroups store
+//                     their dS^T rows (keys by the step's queries, MN-major
+//                     for the product), meet at a named barrier, and each
+//                     multiplies all 128 keys into half of dQ's columns.
+//   fa_backward_dq    (the deterministic build) a block owns Br = 128 query
+//                     rows of one (batch, head), 64 per consumer warpgroup,
+//                     with Q, dO, LSE and D resident, and walks the tiles of
+//                     kStep keys they see:
 //                       S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
 //
 // D = rowsum(dO o O) - dLSE comes precomputed from the caller. Rows that see
@@ -30,7 +38,7 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_backward_tile(90, kH);
+constexpr FaTile kTile = fa_backward_tile(90, kH, FA_ATOMIC_DQ);
 constexpr int kWG = 2;                   // consumer warpgroups of 64 rows
 constexpr int kThreads = kTile.threads;  // + the producer warpgroup
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -44,6 +52,9 @@ constexpr int kNs = kStep / 8;  // n8 blocks of S^T, dP^T (dK/dV) or S, dP (dQ)
 constexpr int kNo = kH / 8;     // n8 blocks of a gradient row
 static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64 && kBc == kWG * 64, "tile");
 static_assert(kH == 64 || kH == 128, "the backward kernels take kernel head dims 64 and 128");
+constexpr int kDsBytes = kBc * kStep * 2;  // one step's dS^T: kBc rows of kStep queries
+constexpr int kNq = kH / 16;  // n8 blocks of a warpgroup's half of a dQ row
+static_assert(kStep == 64, "a dS^T row is one 128-byte swizzled row");
 
 // A tile of ROWS rows of a (B, L, heads, H) array, from row `row` of `head`
 // (rows at or past `valid` load as zeros), into its swizzled panels at dst.
@@ -116,6 +127,56 @@ __device__ __forceinline__ void zero(float (&acc)[kNo][4]) {
   for (int i = 0; i < kNo; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
+#if FA_ATOMIC_DQ
+// Stores this warp's dS^T fragments (packed A operands: rows kr and kr + 8
+// of the block's keys, query columns 16 kk + 2 t4 (+ 8)) into the swizzled
+// dS^T tile at ds: one row of kStep queries per key.
+__device__ __forceinline__ void store_ds(unsigned ds, int kr, int t4, const unsigned (&da)[kStep / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kStep / 16; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = kr + 8 * (e & 1), chunk = 2 * kk + (e >> 1);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds + swz(kBc, r, chunk) + 4 * t4), "r"(da[kk][e])
+                   : "memory");
+    }
+}
+
+// acc = dS K[:, this warpgroup's half of H]: A the step's dS^T tile at ds
+// (MN-major: key rows of kStep queries), B the resident K tile at sk
+// (MN-major: key rows of H), over the block's kBc keys.
+__device__ __forceinline__ void product_dq(float (&acc)[kNq][4], unsigned ds, unsigned sk, int wg) {
+  const int col = wg * (kH / 2);  // first dQ column of this warpgroup
+  const unsigned b0 = sk + (col / 64) * kBc * 128 + (col % 64) * 2;
+#pragma unroll
+  for (int kk = 0; kk < kBc / 16; ++kk) {
+    wgmma_ss_mn<kH / 2>(&acc[0][0], desc(ds + kk * 2048, kBc * 128, 1024),
+                        desc(b0 + kk * 2048, kBc * 128, 1024), kk > 0);
+  }
+}
+
+// Adds this warp's rows of acc (query rows row0 and row0 + 8 of head n, those
+// below q_len; columns col0 + 8 j + 2 t4 and + 1), times scale, into the
+// float32 dQ.
+__device__ __forceinline__ void add_dq(const FaGradParams& p, int b, int n, int row0, int q_len,
+                                       int col0, int t4, const float (&acc)[kNq][4]) {
+  float* const dq = static_cast<float*>(p.dq);
+  const float scale = p.rules.scale;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    if (row >= q_len) continue;
+    float* const at = dq + fa_at(p.out_stride, b, row, n) + col0 + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < kNq; ++j) {
+      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at + 8 * j),
+                   "f"(acc[j][2 * h] * scale), "f"(acc[j][2 * h + 1] * scale)
+                   : "memory");
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" __constant__ int fa_params_bytes = sizeof(FaGradParams);
@@ -132,8 +193,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const unsigned sk = sbase, sv = sk + kBlockBytes;
   auto sq = [&](int st) { return sv + kBlockBytes + st * 2 * kStepBytes; };
   auto sdo = [&](int st) { return sq(st) + kStepBytes; };
+  // Two buffers of dS^T with atomic dQ (steps alternate), none without.
+  const unsigned sds = sv + kBlockBytes + kStages * 2 * kStepBytes;
   float* const scalars = reinterpret_cast<float*>(smem + (sbase - fa_smem_u32(smem)) +
-                                                  2 * kBlockBytes + kStages * 2 * kStepBytes);
+                                                  2 * kBlockBytes + kStages * 2 * kStepBytes +
+                                                  FA_ATOMIC_DQ * 2 * kDsBytes);
   auto s_lse = [&](int st) { return scalars + st * 2 * kStep; };  // then D
   const unsigned bars = fa_smem_u32(scalars + kStages * 2 * kStep);
   const unsigned kv_full = bars;
@@ -210,6 +274,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       fa_pack_a(s, kk, pa[kk]);
       fa_pack_a(dp, kk, da[kk]);
     }
+#if FA_ATOMIC_DQ
+    // Both warpgroups' dS^T, then all 128 keys for each one's half of dQ.
+    const unsigned ds = sds + (u & 1) * kDsBytes;
+    store_ds(ds, wg * 64 + (warp & 3) * 16 + g, t4, da);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync 1, %0;" ::"n"(kWG * 128) : "memory");
+#endif
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
     wg_fence();
@@ -220,11 +291,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
     mbar_arrive(q_empty(st));
+#if FA_ATOMIC_DQ
+    // After dV and dK: P^T and dS^T leave the registers dQ's half takes.
+    float dq[kNq][4];
+    wg_fence();
+    product_dq(dq, ds, sk, wg);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence<kNq * 4>(&dq[0][0]);
+    add_dq(p, b, n, i0 + (warp & 3) * 16 + g, q_len, wg * (kH / 2), t4, dq);
+#endif
   }
   fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
   fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, 1.f, dv);
 }
 
+#if !FA_ATOMIC_DQ  // that build adds dQ in fa_backward_dkdv
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fa_backward_dq(const FaGradParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -320,3 +402,4 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   }
   fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, 0, p.T, p.H, t4, p.rules.scale, dq);
 }
+#endif
