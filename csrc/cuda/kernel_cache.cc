@@ -260,11 +260,11 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
       return DriverError(d, rc, v.backward ? "cuModuleGetFunction(fa_backward_dkdv)"
                                            : "cuModuleGetFunction(fa_forward)");
     }
-    if (v.backward == 1) {  // the atomic-dQ build has no dQ pass
+    if (v.backward == 1) {  // the atomic-dQ build (2) has no dQ pass
       if (auto rc = d.cuModuleGetFunction(&kernel->dq, module, "fa_backward_dq")) {
         return DriverError(d, rc, "cuModuleGetFunction(fa_backward_dq)");
       }
-    } else if (!v.decode_rows) {
+    } else if (!v.backward && !v.decode_rows) {
       if (auto rc = d.cuModuleGetFunction(&kernel->merge, module, "fa_merge")) {
         return DriverError(d, rc, "cuModuleGetFunction(fa_merge)");
       }
