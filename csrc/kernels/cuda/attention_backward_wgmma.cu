@@ -142,6 +142,16 @@ __device__ __forceinline__ void store_ds(unsigned ds, int kr, int t4, const unsi
     }
 }
 
+// acc += dS^T Q: A this warpgroup's 64 key rows of the dS^T tile at ds
+// (K-major: kStep queries per row), B the step's Q tile at sq read N-major.
+__device__ __forceinline__ void product_dk(float (&acc)[kNo][4], unsigned ds, unsigned sq, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < kStep / 16; ++kk) {
+    wgmma_ss<kH, 0, 1>(&acc[0][0], desc(ds + wg * 64 * 128 + kk * 32, 16, 1024),
+                       desc(sq + kk * 2048, kStep * 128, 1024), 1);
+  }
+}
+
 // acc = dS K[:, this warpgroup's half of H]: A the step's dS^T tile at ds
 // (MN-major: key rows of kStep queries), B the resident K tile at sk
 // (MN-major: key rows of H), over the block's kBc keys.
@@ -150,7 +160,7 @@ __device__ __forceinline__ void product_dq(float (&acc)[kNq][4], unsigned ds, un
   const unsigned b0 = sk + (col / 64) * kBc * 128 + (col % 64) * 2;
 #pragma unroll
   for (int kk = 0; kk < kBc / 16; ++kk) {
-    wgmma_ss_mn<kH / 2>(&acc[0][0], desc(ds + kk * 2048, kBc * 128, 1024),
+    wgmma_ss<kH / 2, 1, 1>(&acc[0][0], desc(ds + kk * 2048, kBc * 128, 1024),
                         desc(b0 + kk * 2048, kBc * 128, 1024), kk > 0);
   }
 }
@@ -275,12 +285,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       fa_pack_a(dp, kk, da[kk]);
     }
 #if FA_ATOMIC_DQ
-    // Both warpgroups' dS^T, then all 128 keys for each one's half of dQ.
+    // dS^T to shared memory: dK's A operand for this warpgroup's keys and,
+    // once both warpgroups stored theirs, dQ's for all 128.
     const unsigned ds = sds + (u & 1) * kDsBytes;
     store_ds(ds, wg * 64 + (warp & 3) * 16 + g, t4, da);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("bar.sync 1, %0;" ::"n"(kWG * 128) : "memory");
-#endif
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's rows
+    reg_fence<kNo * 4>(&dv[0][0]);
+    reg_fence<kNo * 4>(&dk[0][0]);
+    wg_fence();
+    product_rs(dv, pa, sdo(st));
+    product_dk(dk, ds, sq(st), wg);
+    wg_commit();
+    asm volatile("bar.sync 1, %0;" ::"n"(kWG * 128) : "memory");  // both warpgroups' rows
+    float dq[kNq][4];
+    wg_fence();
+    product_dq(dq, ds, sk, wg);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence<kNo * 4>(&dv[0][0]);
+    reg_fence<kNo * 4>(&dk[0][0]);
+    reg_fence<kNq * 4>(&dq[0][0]);
+    mbar_arrive(q_empty(st));
+    add_dq(p, b, n, i0 + (warp & 3) * 16 + g, q_len, wg * (kH / 2), t4, dq);
+#else
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
     wg_fence();
@@ -291,15 +319,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
     mbar_arrive(q_empty(st));
-#if FA_ATOMIC_DQ
-    // After dV and dK: P^T and dS^T leave the registers dQ's half takes.
-    float dq[kNq][4];
-    wg_fence();
-    product_dq(dq, ds, sk, wg);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence<kNq * 4>(&dq[0][0]);
-    add_dq(p, b, n, i0 + (warp & 3) * 16 + g, q_len, wg * (kH / 2), t4, dq);
 #endif
   }
   fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
