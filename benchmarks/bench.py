@@ -137,10 +137,10 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
   Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
   fast_attention forced onto the older kernel paths the GPU also runs
   ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
-  time them on the same silicon. With ``backward`` on a default path whose
-  backward adds dQ by atomics ("cuda_sm90"), also
-  fast_attention with ``deterministic=True``: its speedup column is the cost
-  of the fixed order.
+  time them on the same silicon. With ``backward`` under a "cuda_sm90"
+  default (the one backward that adds dQ by atomics), also fast_attention
+  with ``deterministic=True``: its speedup column is the cost of the fixed
+  order.
   """
   backend = "cuda" if platform_name == "gpu" else platform_name
   fast_path = resolve_implementation(backend=backend, dtype=dtype)
@@ -154,9 +154,8 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
       comps.append(Competitor("fastattn_sm80", _forced("cuda_sm80"), materializes_logits=False))
     if fast_path in ("cuda_sm80", "cuda_sm90"):
       comps.append(Competitor("fastattn_sm75", _forced("cuda_sm75"), materializes_logits=False))
-      if backward:
-        comps.append(Competitor("fastattn_deterministic", _deterministic,
-                                materializes_logits=False))
+    if fast_path == "cuda_sm90" and backward:
+      comps.append(Competitor("fastattn_deterministic", _deterministic, materializes_logits=False))
   return comps
 
 
