@@ -54,7 +54,7 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
-    if ((backward != 1 && !(backward == 2 && kernel_sm == 90)) ||
+    if (backward < 1 || backward > BackwardBuilds(kernel_sm) ||
         (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
         decode_rows || head_dim > fa_backward_max_head_dim(kernel_sm)) {
       return "the backward kernels are built for sm 70, 75, 80 and 90 (atomic dQ: 90), up to "
@@ -153,7 +153,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const bool extras = c.bias || c.mask || r.softcap > 0 || !(r.scale > 0);
   if (c.backward) {
     const int kernel = BackwardKernel(kernel_sm, plan->row_elements);
-    v.backward = kernel == 90 && !c.deterministic ? 2 : 1;
+    v.backward = c.deterministic ? 1 : BackwardBuilds(kernel);
     on_kernel(kernel);
     if (v.head_dim > fa_backward_max_head_dim(v.kernel_sm)) {
       return "the backward kernels take head dims up to " +
@@ -288,6 +288,8 @@ int OperandDtype(int kernel_sm, int dtype) {
   return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
 }
 
+int BackwardBuilds(int kernel_sm) { return kernel_sm == 90 ? 2 : 1; }
+
 int BackwardKernel(int kernel_sm, int64_t head_dim) {
   return kernel_sm == 90 && fa_kernel_head_dim(90, head_dim) > fa_backward_max_head_dim(90)
              ? 80
@@ -330,8 +332,7 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
         add_kernel(kernel_sm, 0, dtype, h);
         const int kernel = BackwardKernel(kernel_sm, h);
         if (fa_kernel_head_dim(kernel, h) <= fa_backward_max_head_dim(kernel)) {
-          // The fixed-order build, and kernel 90's atomic-dQ build.
-          for (int backward = 1; backward <= (kernel == 90 ? 2 : 1); ++backward) {
+          for (int backward = 1; backward <= BackwardBuilds(kernel); ++backward) {
             add_kernel(kernel, backward, dtype, h);
           }
         }

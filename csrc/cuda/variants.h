@@ -116,6 +116,11 @@ int OperandDtype(int kernel_sm, int dtype);
 // fa_backward_max_head_dim(90) (its column parts take H up to 256).
 int BackwardKernel(int kernel_sm, int64_t head_dim);
 
+// The backward builds of backward kernel `kernel_sm` (KernelVariant::backward
+// 1 .. this): 2 for kernel 90, whose default adds dQ by atomics (build 2)
+// and whose deterministic one (1) runs dQ in a pass of its own; 1 elsewhere.
+int BackwardBuilds(int kernel_sm);
+
 // The kernel `implementation=None` runs on a GPU of compute capability `cc`
 // (10 * major + minor) for head dim H: the newest that runs there, except
 // that 90 takes only H whose 32-multiple is a 64-multiple (it would compute

@@ -82,19 +82,6 @@ __device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, 
   }
 }
 
-// Waits for a full stage; cp.async wrote it through the generic proxy and
-// wgmma reads through the async one.
-__device__ __forceinline__ void acquire(unsigned bar, int parity) {
-  mbar_wait(bar, parity);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// Each consumer warp's arrival on an "empty" barrier once its wgmma is done.
-__device__ __forceinline__ void release(unsigned bar, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar_arrive(bar);
-}
-
 // c = A B^T and d = A' B'^T over H (wgmma's K): A, A' the warpgroup's 64 rows
 // at a, ad (tiles of a_rows rows), B, B' kStep rows at bb, bd; K-major
 // operands, one 128-byte-swizzled panel per 64 columns.
@@ -256,10 +243,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float dk[kNo][4], dv[kNo][4];
   zero(dk);
   zero(dv);
-  if (n < n_end) acquire(kv_full, 0);
+  if (n < n_end) mbar_acquire(kv_full, 0);
   for (int u = 0; n < n_end; ++u, advance(n, i0)) {
     const int st = u % kStages, ph = (u / kStages) & 1;
-    acquire(q_full(st), ph);
+    mbar_acquire(q_full(st), ph);
     float s[kNs][4], dp[kNs][4];
     wg_fence();
     two_products<kBc>(sk, sv, sq(st), sdo(st), wg, s, dp);
@@ -289,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // once both warpgroups stored theirs, dQ's for all 128.
     const unsigned ds = sds + (u & 1) * kDsBytes;
     store_ds(ds, wg * 64 + (warp & 3) * 16 + g, t4, da);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_async_smem();
     asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's rows
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
@@ -382,13 +369,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float dq[kNo][4];
   zero(dq);
   if (blk.t_end > blk.t_begin) {
-    acquire(q_full, 0);
+    mbar_acquire(q_full, 0);
     const float lse2[2] = {s_lse[r0 + g], s_lse[r0 + g + 8]};
     const float delta[2] = {s_lse[kBr + r0 + g], s_lse[kBr + r0 + g + 8]};
     for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
       const int u = tile - blk.t_begin, st = u % kStages, ph = (u / kStages) & 1;
       const int n0 = tile * kStep;
-      acquire(kv_full(st), ph);
+      mbar_acquire(kv_full(st), ph);
       float s[kNs][4], dp[kNs][4];
       wg_fence();
       two_products<kBr>(sq, sdo, sk(st), sv(st), wg, s, dp);
@@ -416,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       wg_commit();
       wg_wait<0>();
       reg_fence<kNo * 4>(&dq[0][0]);
-      release(kv_empty(st), lane);
+      mbar_release_warp(kv_empty(st), lane);
     }
   }
   fa_write_grad_rows(p.dq, p.out_stride, b, n, w0 + g, 0, p.T, p.H, t4, p.rules.scale, dq);

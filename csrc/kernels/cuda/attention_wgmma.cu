@@ -164,16 +164,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
   float alpha[2];
-  // Waits for a full stage; a cp.async tile came through the generic proxy,
-  // wgmma reads through the async one.
-  auto acquire = [&](unsigned bar, int parity) {
-    mbar_wait(bar, parity);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  };
-  auto release = [&](unsigned bar) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar);
-  };
   // S = Q K^T for a tile: H / 16 k-steps; a k-step is 32 bytes into a
   // 128-byte row, every fourth one starts the next panel.
   auto issue_s = [&](int st) {
@@ -209,29 +199,29 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   if (t_end > t_begin) {
     // Software pipeline: while the tensor cores run O += P(j-1) V(j-1), the
     // softmax of S(j) runs on the CUDA cores.
-    acquire(q_full, 0);
+    mbar_acquire(q_full, 0);
     for (int tile = t_begin; tile < t_end; ++tile) {
       const int u = tile - t_begin, st = u % kStages, ph = (u / kStages) & 1;
       const int pst = (u + kStages - 1) % kStages, pph = ((u - 1) / kStages) & 1;
-      acquire(k_full(st), ph);
-      if (u > 0) acquire(v_full(pst), pph);
+      mbar_acquire(k_full(st), ph);
+      if (u > 0) mbar_acquire(v_full(pst), pph);
       reg_fence<kNo * 4>(&o[0][0]);
       wg_fence();
       issue_s(st);
       if (u > 0) issue_pv(pst);
       if (u > 0) wg_wait<1>(); else wg_wait<0>();
       reg_fence<kNs * 4>(&s[0][0]);
-      release(k_empty(st));
+      mbar_release_warp(k_empty(st), lane);
       probs(tile);
       wg_wait<0>();
       reg_fence<kNo * 4>(&o[0][0]);
-      if (u > 0) release(v_empty(pst));
+      if (u > 0) mbar_release_warp(v_empty(pst), lane);
       fa_rescale_rows(o, alpha);
       pack();
     }
     // The last tile's P V.
     const int u = t_end - 1 - t_begin;
-    acquire(v_full(u % kStages), (u / kStages) & 1);
+    mbar_acquire(v_full(u % kStages), (u / kStages) & 1);
     reg_fence<kNo * 4>(&o[0][0]);
     wg_fence();
     issue_pv(u % kStages);

@@ -157,8 +157,9 @@ __device__ __forceinline__ void wgmma_ss(float* d, unsigned long long a, unsigne
   WgmmaSS<N, TA, TB>::run(d, a, b, acc);
 }
 
-// mbarriers: the producer's loads complete the "full" ones, the consumer
-// warps' arrivals (one per warp) the "empty" ones.
+// mbarriers: the producer's loads complete the "full" ones, the consumers'
+// arrivals the "empty" ones (one per warp, mbar_release_warp, where the
+// consumers read the stage only through wgmma).
 __device__ __forceinline__ void mbar_init(unsigned bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
 }
@@ -179,6 +180,22 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
       "{\n .reg .pred done;\n WAIT:\n"
       " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+// Orders this thread's generic-proxy writes to shared memory (cp.async
+// copies, st.shared) before wgmma's reads, which go through the async proxy.
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// A consumer's wait for a full stage, then the fence for what cp.async wrote.
+__device__ __forceinline__ void mbar_acquire(unsigned bar, int parity) {
+  mbar_wait(bar, parity);
+  fence_async_smem();
+}
+// A consumer warp's arrival (one per warp) on an "empty" barrier once its
+// wgmma reads of the stage are done.
+__device__ __forceinline__ void mbar_release_warp(unsigned bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar);
 }
 template <int N>
 __device__ __forceinline__ void set_max_regs_dec() {
