@@ -22,9 +22,13 @@
 //                     choice) it also adds each step's
 //                       dQ += dS K                        (both from shared memory)
 //                     into a float32 dQ by atomics: both warpgroups store
-//                     their dS^T rows (keys by the step's queries, MN-major
-//                     for the product), meet at a named barrier, and each
-//                     multiplies all 128 keys into half of dQ's columns.
+//                     their dS^T rows (keys by the step's queries), from
+//                     which dK += dS^T Q takes its A operand instead, meet at
+//                     a named barrier, and each multiplies all 128 keys into
+//                     its share of dQ (with 64-row steps half of dQ's
+//                     columns, with 128-row steps its 64 of the rows).
+//
+// kStep (fa_wgmma_backward_step): 128 rows up to H = 64, else 64.
 //   fa_backward_dq    (the deterministic build) a block owns Br = 128 query
 //                     rows of one (batch, head), 64 per consumer warpgroup,
 //                     with Q, dO, LSE and D resident, and walks the tiles of
@@ -44,7 +48,7 @@ constexpr int kThreads = kTile.threads;  // + the producer warpgroup
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 constexpr int kBr = kTile.block_m;       // fa_backward_dq: query rows per block
 constexpr int kBc = kTile.block_n;       // fa_backward_dkdv: keys per block
-constexpr int kStep = kFaWgmmaBackwardStep;
+constexpr int kStep = fa_wgmma_backward_step(kH);
 constexpr int kStages = kFaWgmmaBackwardStages;
 constexpr int kBlockBytes = 128 * kH * 2;  // a resident tile of 128 rows
 constexpr int kStepBytes = kStep * kH * 2;
@@ -53,8 +57,12 @@ constexpr int kNo = kH / 8;     // n8 blocks of a gradient row
 static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64 && kBc == kWG * 64, "tile");
 static_assert(kH == 64 || kH == 128, "the backward kernels take kernel head dims 64 and 128");
 constexpr int kDsBytes = kBc * kStep * 2;  // one step's dS^T: kBc rows of kStep queries
-constexpr int kNq = kH / 16;  // n8 blocks of a warpgroup's half of a dQ row
-static_assert(kStep == 64, "a dS^T row is one 128-byte swizzled row");
+// Atomic dQ: with 64-row steps each warpgroup takes half of dQ's columns for
+// all the step's rows, with 128-row steps all columns for its 64 rows.
+constexpr bool kDqByRows = kStep == 128;
+constexpr int kDqCols = kDqByRows ? kH : kH / 2;
+constexpr int kNq = kDqCols / 8;  // n8 blocks of a warpgroup's dQ columns
+static_assert(kStep == 64 || kStep == 128, "dS^T rows of one or two 128-byte panels");
 
 // A tile of ROWS rows of a (B, L, heads, H) array, from row `row` of `head`
 // (rows at or past `valid` load as zeros), into its swizzled panels at dst.
@@ -134,21 +142,23 @@ __device__ __forceinline__ void store_ds(unsigned ds, int kr, int t4, const unsi
 __device__ __forceinline__ void product_dk(float (&acc)[kNo][4], unsigned ds, unsigned sq, int wg) {
 #pragma unroll
   for (int kk = 0; kk < kStep / 16; ++kk) {
-    wgmma_ss<kH, 0, 1>(&acc[0][0], desc(ds + wg * 64 * 128 + kk * 32, 16, 1024),
-                       desc(sq + kk * 2048, kStep * 128, 1024), 1);
+    const unsigned a = ds + (kk >> 2) * kBc * 128 + wg * 64 * 128 + (kk & 3) * 32;
+    wgmma_ss<kH, 0, 1>(&acc[0][0], desc(a, 16, 1024), desc(sq + kk * 2048, kStep * 128, 1024), 1);
   }
 }
 
-// acc = dS K[:, this warpgroup's half of H]: A the step's dS^T tile at ds
-// (MN-major: key rows of kStep queries), B the resident K tile at sk
-// (MN-major: key rows of H), over the block's kBc keys.
+// acc = this warpgroup's share of dS K (kDqByRows: its 64 of the step's rows,
+// all of H; else all 64 rows, its half of H): A the step's dS^T tile at ds
+// (MN-major: key rows of kStep queries, the share's 64-query panel), B the
+// resident K tile at sk (MN-major: key rows of H), over the block's kBc keys.
 __device__ __forceinline__ void product_dq(float (&acc)[kNq][4], unsigned ds, unsigned sk, int wg) {
-  const int col = wg * (kH / 2);  // first dQ column of this warpgroup
+  const int col = kDqByRows ? 0 : wg * kDqCols;  // first dQ column of this warpgroup
+  const unsigned a0 = ds + (kDqByRows ? wg * kBc * 128 : 0);
   const unsigned b0 = sk + (col / 64) * kBc * 128 + (col % 64) * 2;
 #pragma unroll
   for (int kk = 0; kk < kBc / 16; ++kk) {
-    wgmma_ss<kH / 2, 1, 1>(&acc[0][0], desc(ds + kk * 2048, kBc * 128, 1024),
-                        desc(b0 + kk * 2048, kBc * 128, 1024), kk > 0);
+    wgmma_ss<kDqCols, 1, 1>(&acc[0][0], desc(a0 + kk * 2048, kBc * 128, 1024),
+                            desc(b0 + kk * 2048, kBc * 128, 1024), kk > 0);
   }
 }
 
@@ -294,7 +304,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNo * 4>(&dk[0][0]);
     reg_fence<kNq * 4>(&dq[0][0]);
     mbar_arrive(q_empty(st));
-    add_dq(p, b, n, i0 + (warp & 3) * 16 + g, q_len, wg * (kH / 2), t4, dq);
+    add_dq(p, b, n, i0 + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16 + g, q_len,
+           kDqByRows ? 0 : wg * kDqCols, t4, dq);
 #else
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);

@@ -213,10 +213,13 @@ constexpr int kFaVoltaBackwardQueryRows = 16;
 FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
 
 // Kernel 90's (attention_backward_wgmma.cu): both kernels run a producer
-// warpgroup and two consumer warpgroups of 64 rows each, and step over 64
-// rows (fa_backward_dkdv: query rows of Q and dO with their LSE and D;
-// fa_backward_dq: keys of K and V) in kFaWgmmaBackwardStages stages.
-constexpr int kFaWgmmaBackwardStep = 64;
+// warpgroup and two consumer warpgroups of 64 rows each, and step over
+// fa_wgmma_backward_step(h) rows (fa_backward_dkdv: query rows of Q and dO
+// with their LSE and D; fa_backward_dq: keys of K and V) in
+// kFaWgmmaBackwardStages stages: 128 up to H = 64, where a step's products
+// are short (K = H) and twice the rows halve the steps' fixed costs, else 64
+// (the step's S^T and dP^T take 2 * step / 4 registers a thread).
+FA_TILE_FN int fa_wgmma_backward_step(int h) { return h <= 64 ? 128 : 64; }
 constexpr int kFaWgmmaBackwardStages = 2;
 
 // The backward kernels' tile: block_m query rows per fa_backward_dq block,
@@ -233,7 +236,7 @@ constexpr int kFaWgmmaBackwardStages = 2;
 // and the stages' K and V; then alignment slack and the mbarriers.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
   if (kernel_sm == 90) {
-    const int step = kFaWgmmaBackwardStep, stages = kFaWgmmaBackwardStages;
+    const int step = fa_wgmma_backward_step(h), stages = kFaWgmmaBackwardStages;
     const int dkdv = 2 * 128 * h * 2 + stages * (2 * step * h * 2 + 2 * step * 4) +
                      (atomic_dq ? 2 * step * 128 * 2 : 0);
     const int dq = 2 * 128 * h * 2 + 2 * 128 * 4 + stages * 2 * step * h * 2;
