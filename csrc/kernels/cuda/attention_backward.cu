@@ -241,22 +241,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         float s[kBq / 8][4], dp[kBq / 8][4];
         rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq(st), lane, s);
         rows_times_rows<kBq>(sv + a_offset(16 * warp, lane), sdo(st), lane, dp);
-        const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
         const float* lse2 = s_lse + st * kBq;
         const float* delta = s_delta + st * kBq;
+        fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1), [&](bool whole) {
 #pragma unroll
-        for (int nt = 0; nt < kBq / 8; ++nt)
+          for (int nt = 0; nt < kBq / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = nt * 8 + 2 * t4 + e;  // query row i0 + c
+            for (int e = 0; e < 2; ++e) {
+              const int c = nt * 8 + 2 * t4 + e;  // query row i0 + c
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int j = wk0 + g + 8 * h;
-              const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, j);
-              prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i0 + c, j,
-                          lse2[c], delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
+              for (int h = 0; h < 2; ++h) {
+                const int j = wk0 + g + 8 * h;
+                const bool seen =
+                    whole || fa_visible(p.rules, q_len, kv_len, i0 + c, j);
+                prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i0 + c, j,
+                            lse2[c], delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
+              }
             }
-          }
+        });
         accumulate<kBq>(s, sdo(st) + col0 * 2, lane, dv);
         accumulate<kBq>(dp, sq(st) + col0 * 2, lane, dk);
       }
@@ -316,19 +318,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float s[kBcq / 8][4], dp[kBcq / 8][4];
     rows_times_rows<kBcq>(sq + a_offset(16 * warp, lane), sk(st), lane, s);
     rows_times_rows<kBcq>(sdo + a_offset(16 * warp, lane), sv(st), lane, dp);
-    const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBcq);
+    fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBcq), [&](bool whole) {
 #pragma unroll
-    for (int nt = 0; nt < kBcq / 8; ++nt)
+      for (int nt = 0; nt < kBcq / 8; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = w0 + g + 8 * h, j = n0 + nt * 8 + 2 * t4 + e;
-          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, j);
-          float pe;
-          prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
-                      delta[h], &pe, &dp[nt][2 * h + e]);
-        }
+          for (int e = 0; e < 2; ++e) {
+            const int i = w0 + g + 8 * h, j = n0 + nt * 8 + 2 * t4 + e;
+            const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, j);
+            float pe;
+            prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
+                        delta[h], &pe, &dp[nt][2 * h + e]);
+          }
+    });
     accumulate<kBcq>(dp, sk(st), lane, dq);
   };
 

@@ -179,17 +179,21 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dkdv(const Fa
 
       float s[kBq / 8][8], dp[kBq / 8][8];
       two_products<kBq>(sk2, sq2, sv2, sdo2, a_row, t, h, s, dp);
-      const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1);
+      fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1), [&](bool whole) {
+#pragma unroll
+        for (int j = 0; j < kBq / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int key = c_key0 + (e & 2), c = j * 8 + (e & 4) + (e & 1) + 2 * t1;
+            const bool seen =
+                whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
+            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, s_lse[c], s_delta[c],
+                        &s[j][e], &dp[j][e]);
+          }
+      });
       unsigned pa[kBq / 4][2], da[kBq / 4][2];
 #pragma unroll
       for (int j = 0; j < kBq / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int key = c_key0 + (e & 2), c = j * 8 + (e & 4) + (e & 1) + 2 * t1;
-          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
-          prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, s_lse[c], s_delta[c],
-                      &s[j][e], &dp[j][e]);
-        }
         volta_pack_a(s[j], t1, pa[2 * j], pa[2 * j + 1]);
         volta_pack_a(dp[j], t1, da[2 * j], da[2 * j + 1]);
       }
@@ -249,21 +253,23 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dq(const FaGr
 
       float s[kBcq / 8][8], dp[kBcq / 8][8];
       two_products<kBcq>(sq2, sk2, sdo2, sv2, a_row, t, h, s, dp);
-      const bool whole = fa_all_visible(p.rules, q_len, kv_len, wm0, wm0 + kRWq, n0, n0 + kBcq);
+      fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, wm0, wm0 + kRWq, n0, n0 + kBcq),
+                  [&](bool whole) {
+#pragma unroll
+        for (int j = 0; j < kBcq / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int r = (e >> 1) & 1, i = c_row0 + 2 * r;
+            const int key = n0 + j * 8 + (e & 4) + (e & 1) + 2 * t1;
+            const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
+            float pe;
+            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[r], delta[r], &pe,
+                        &dp[j][e]);
+          }
+      });
       unsigned da[kBcq / 4][2];
 #pragma unroll
-      for (int j = 0; j < kBcq / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int r = (e >> 1) & 1, i = c_row0 + 2 * r;
-          const int key = n0 + j * 8 + (e & 4) + (e & 1) + 2 * t1;
-          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
-          float pe;
-          prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[r], delta[r], &pe,
-                      &dp[j][e]);
-        }
-        volta_pack_a(dp[j], t1, da[2 * j], da[2 * j + 1]);
-      }
+      for (int j = 0; j < kBcq / 8; ++j) volta_pack_a(dp[j], t1, da[2 * j], da[2 * j + 1]);
       accumulate<kBcq, kHSq, kNTOq>(da, sk2, t, h, part, dq);
     }
   }

@@ -23,10 +23,11 @@
 //                       dQ += dS K                        (both from shared memory)
 //                     into a float32 dQ by atomics: both warpgroups store
 //                     their dS^T rows (keys by the step's queries), from
-//                     which dK += dS^T Q takes its A operand instead, meet at
-//                     a named barrier, and each multiplies all 128 keys into
-//                     its share of dQ (with 64-row steps half of dQ's
-//                     columns, with 128-row steps its 64 of the rows).
+//                     which dK += dS^T Q takes its A operand instead, and at
+//                     the start of the next step, once both stored theirs
+//                     (an mbarrier), each multiplies all 128 keys into its
+//                     share of dQ (with 64-row steps half of dQ's columns,
+//                     with 128-row steps its 64 of the rows).
 //
 // kStep (fa_wgmma_backward_step): 128 rows up to H = 64, else 64.
 //   fa_backward_dq    (the deterministic build) a block owns Br = 128 query
@@ -57,6 +58,7 @@ constexpr int kNo = kH / 8;     // n8 blocks of a gradient row
 static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64 && kBc == kWG * 64, "tile");
 static_assert(kH == 64 || kH == 128, "the backward kernels take kernel head dims 64 and 128");
 constexpr int kDsBytes = kBc * kStep * 2;  // one step's dS^T: kBc rows of kStep queries
+constexpr int kDsBuffers = kFaWgmmaBackwardDsBuffers;
 // Atomic dQ: with 64-row steps each warpgroup takes half of dQ's columns for
 // all the step's rows, with 128-row steps all columns for its 64 rows.
 constexpr bool kDqByRows = kStep == 128;
@@ -200,22 +202,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const unsigned sk = sbase, sv = sk + kBlockBytes;
   auto sq = [&](int st) { return sv + kBlockBytes + st * 2 * kStepBytes; };
   auto sdo = [&](int st) { return sq(st) + kStepBytes; };
-  // Two buffers of dS^T with atomic dQ (steps alternate), none without.
+  // kDsBuffers buffers of dS^T with atomic dQ (step u uses u % kDsBuffers),
+  // none without.
   const unsigned sds = sv + kBlockBytes + kStages * 2 * kStepBytes;
   float* const scalars = reinterpret_cast<float*>(smem + (sbase - fa_smem_u32(smem)) +
                                                   2 * kBlockBytes + kStages * 2 * kStepBytes +
-                                                  FA_ATOMIC_DQ * 2 * kDsBytes);
+                                                  FA_ATOMIC_DQ * kDsBuffers * kDsBytes);
   auto s_lse = [&](int st) { return scalars + st * 2 * kStep; };  // then D
   const unsigned bars = fa_smem_u32(scalars + kStages * 2 * kStep);
   const unsigned kv_full = bars;
   auto q_full = [&](int st) { return bars + 8 + st * 8; };
   auto q_empty = [&](int st) { return bars + 8 + (kStages + st) * 8; };
+  // dS^T buffer x: full once every consumer thread stored its rows.
+  auto ds_full = [&](int x) { return bars + 8 + (2 * kStages + x) * 8; };
+  static_assert(8 + (2 * kStages + kDsBuffers) * 8 <= 128, "the mbarriers fit the tile's 128 bytes");
   if (tid == 0) {
     mbar_init(kv_full, kLoaders);
     for (int st = 0; st < kStages; ++st) {
       mbar_init(q_full(st), 2 * kLoaders);  // the copies' and the scalars' arrivals
       mbar_init(q_empty(st), kWG * 128);  // every consumer thread read the stage's LSE and D
     }
+    for (int x = 0; x < FA_ATOMIC_DQ * kDsBuffers; ++x) mbar_init(ds_full(x), kWG * 128);
   }
   __syncthreads();
 
@@ -254,27 +261,61 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   zero(dk);
   zero(dv);
   if (n < n_end) mbar_acquire(kv_full, 0);
-  for (int u = 0; n < n_end; ++u, advance(n, i0)) {
+#if FA_ATOMIC_DQ
+  // Step u's dQ is taken at the start of step u + 1. The other warpgroup
+  // stored its dS^T rows of step u in the middle of its step u, so either
+  // warpgroup may run that far ahead of the other, and one's softmax can
+  // overlap the other's products (a barrier of both after the stores kept
+  // them in lockstep). Two buffers suffice: a warpgroup stores step u + 2's
+  // dS^T only after the other stored step u + 1's, which it did after
+  // taking step u's dQ. (n_dq, i_dq): step u's rows.
+  int n_dq = n, i_dq = i0;
+  auto issue_dq = [&](float(&dq)[kNq][4], int v) {
+    mbar_acquire(ds_full(v % kDsBuffers), (v / kDsBuffers) & 1);
+    product_dq(dq, sds + (v % kDsBuffers) * kDsBytes, sk, wg);
+    wg_commit();
+  };
+  auto finish_dq = [&](float(&dq)[kNq][4], int v) {  // after the wait for dQ's product
+    reg_fence<kNq * 4>(&dq[0][0]);
+    add_dq(p, b, n_dq, i_dq + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16 + g, q_len,
+           kDqByRows ? 0 : wg * kDqCols, t4, dq);
+  };
+#endif
+  int u = 0;
+  for (; n < n_end; ++u, advance(n, i0)) {
     const int st = u % kStages, ph = (u / kStages) & 1;
     mbar_acquire(q_full(st), ph);
     float s[kNs][4], dp[kNs][4];
     wg_fence();
+#if FA_ATOMIC_DQ
+    if (u > 0) {
+      float dq[kNq][4];
+      issue_dq(dq, u - 1);
+      wg_wait<0>();
+      finish_dq(dq, u - 1);
+      wg_fence();
+    }
+#endif
     two_products<kBc>(sk, sv, sq(st), sdo(st), wg, s, dp);
     wg_wait<0>();
     reg_fence<kNs * 4>(&s[0][0]);
     reg_fence<kNs * 4>(&dp[0][0]);
 
-    const float* lse = s_lse(st);
-    const bool whole = fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kStep, wk0, wk1);
+    // LSE_2 and D of this thread's query columns 8 j + 2 t4 and + 1, in pairs.
+    const float2* lse = reinterpret_cast<const float2*>(s_lse(st)) + t4;
+    fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kStep, wk0, wk1), [&](bool whole) {
 #pragma unroll
-    for (int j = 0; j < kNs; ++j)
+      for (int j = 0; j < kNs; ++j) {
+        const float2 l2 = lse[4 * j], d = lse[kStep / 2 + 4 * j];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = wk0 + g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
-        const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
-        prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, lse[c], lse[kStep + c],
-                    &s[j][e], &dp[j][e]);
+        for (int e = 0; e < 4; ++e) {
+          const int key = wk0 + g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
+          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i0 + c, key);
+          prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i0 + c, key, e & 1 ? l2.y : l2.x,
+                      e & 1 ? d.y : d.x, &s[j][e], &dp[j][e]);
+        }
       }
+    });
     unsigned pa[kStep / 16][4], da[kStep / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
@@ -283,10 +324,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
 #if FA_ATOMIC_DQ
     // dS^T to shared memory: dK's A operand for this warpgroup's keys and,
-    // once both warpgroups stored theirs, dQ's for all 128.
-    const unsigned ds = sds + (u & 1) * kDsBytes;
+    // once both warpgroups stored theirs, dQ's for all 128 (next step).
+    const int x = u % kDsBuffers;
+    const unsigned ds = sds + x * kDsBytes;
     store_ds(ds, wg * 64 + (warp & 3) * 16 + g, t4, da);
     fence_async_smem();
+    mbar_arrive(ds_full(x));
     asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's rows
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
@@ -294,18 +337,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     product_rs(dv, pa, sdo(st));
     product_dk(dk, ds, sq(st), wg);
     wg_commit();
-    asm volatile("bar.sync 1, %0;" ::"n"(kWG * 128) : "memory");  // both warpgroups' rows
-    float dq[kNq][4];
-    wg_fence();
-    product_dq(dq, ds, sk, wg);
-    wg_commit();
     wg_wait<0>();
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
-    reg_fence<kNq * 4>(&dq[0][0]);
     mbar_arrive(q_empty(st));
-    add_dq(p, b, n, i0 + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16 + g, q_len,
-           kDqByRows ? 0 : wg * kDqCols, t4, dq);
+    n_dq = n;
+    i_dq = i0;
 #else
     reg_fence<kNo * 4>(&dv[0][0]);
     reg_fence<kNo * 4>(&dk[0][0]);
@@ -319,6 +356,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(q_empty(st));
 #endif
   }
+#if FA_ATOMIC_DQ
+  if (u > 0) {
+    float dq[kNq][4];
+    wg_fence();
+    issue_dq(dq, u - 1);
+    wg_wait<0>();
+    finish_dq(dq, u - 1);
+  }
+#endif
   fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
   fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, 1.f, dv);
 }
@@ -394,17 +440,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       reg_fence<kNs * 4>(&s[0][0]);
       reg_fence<kNs * 4>(&dp[0][0]);
 
-      const bool whole = fa_all_visible(p.rules, q_len, kv_len, w0, w0 + 16, n0, n0 + kStep);
+      fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, w0, w0 + 16, n0, n0 + kStep), [&](bool whole) {
 #pragma unroll
-      for (int j = 0; j < kNs; ++j)
+        for (int j = 0; j < kNs; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = w0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
-          const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
-          float pe;
-          prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[e >> 1], delta[e >> 1], &pe,
-                      &dp[j][e]);
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int i = w0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
+            const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
+            float pe;
+            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[e >> 1], delta[e >> 1],
+                        &pe, &dp[j][e]);
+          }
+      });
       unsigned da[kStep / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) fa_pack_a(dp, kk, da[kk]);

@@ -8,6 +8,21 @@
 
 namespace {
 
+// Runs body(true) for a tile whose every (row, key) pair the index rules
+// show, else body(false): the body, inlined at each call with its argument a
+// constant, then tests visibility per pair (`whole || fa_visible(...)`) only
+// in the copy for partial tiles, rather than branching around every element
+// of every tile. (A generic lambda would say it at compile time, but NVRTC
+// rejects them in device code.)
+template <class Body>
+__device__ __forceinline__ void fa_if_whole(bool whole, Body&& body) {
+  if (whole) {
+    body(true);
+  } else {
+    body(false);
+  }
+}
+
 // P and dS of one (row i, key j) from the raw products qk = q . k and dp =
 // dO . v: P = e^(logit - LSE), dS = P (dp - D) times the soft cap's
 // derivative 1 - tanh^2 (FA_EXTRAS: logit = softcap tanh(scale qk / softcap)

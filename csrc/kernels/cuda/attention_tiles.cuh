@@ -221,6 +221,9 @@ FA_TILE_FN int fa_volta_backward_dq_keys(int h) { return h <= 64 ? 32 : 16; }
 // (the step's S^T and dP^T take 2 * step / 4 registers a thread).
 FA_TILE_FN int fa_wgmma_backward_step(int h) { return h <= 64 ? 128 : 64; }
 constexpr int kFaWgmmaBackwardStages = 2;
+// With atomic dQ, fa_backward_dkdv's buffers of one step's dS^T (steps
+// alternate): step u's dQ is taken at the start of step u + 1.
+constexpr int kFaWgmmaBackwardDsBuffers = 2;
 
 // The backward kernels' tile: block_m query rows per fa_backward_dq block,
 // block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
@@ -231,14 +234,14 @@ constexpr int kFaWgmmaBackwardStages = 2;
 // forward's padded rows (fa_volta_tile_bytes), one stage. Kernel 90: Br = Bc
 // = 128 (two consumer warpgroups of 64), 384 threads; fa_backward_dkdv holds K
 // and V and the stages' Q, dO, LSE and D, and with atomic_dq (dQ added into
-// float32 by atomics; no fa_backward_dq) two buffers of one step's dS (the
-// step's rows by the block's 128 keys); fa_backward_dq holds Q, dO, LSE and D
+// float32 by atomics; no fa_backward_dq) kFaWgmmaBackwardDsBuffers buffers
+// of one step's dS (the step's rows by the block's 128 keys); fa_backward_dq holds Q, dO, LSE and D
 // and the stages' K and V; then alignment slack and the mbarriers.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
   if (kernel_sm == 90) {
     const int step = fa_wgmma_backward_step(h), stages = kFaWgmmaBackwardStages;
     const int dkdv = 2 * 128 * h * 2 + stages * (2 * step * h * 2 + 2 * step * 4) +
-                     (atomic_dq ? 2 * step * 128 * 2 : 0);
+                     (atomic_dq ? kFaWgmmaBackwardDsBuffers * step * 128 * 2 : 0);
     const int dq = 2 * 128 * h * 2 + 2 * 128 * 4 + stages * 2 * step * h * 2;
     return FaTile{128, 128, 3 * 128, (dq > dkdv ? dq : dkdv) + 1024 + 128};
   }
