@@ -62,7 +62,9 @@ constexpr int kDsBuffers = kFaWgmmaBackwardDsBuffers;
 // Atomic dQ: with 64-row steps each warpgroup takes half of dQ's columns for
 // all the step's rows, with 128-row steps all columns for its 64 rows.
 constexpr bool kDqByRows = kStep == 128;
-constexpr int kDqCols = kDqByRows ? kH : kH / 2;
+constexpr int kDqCols = fa_wgmma_backward_dq_cols(kH);
+constexpr int kDqPitch = fa_wgmma_backward_dq_pitch(kH);  // floats
+constexpr int kDqStageBytes = fa_wgmma_backward_dq_stage_bytes(kH);
 constexpr int kNq = kDqCols / 8;  // n8 blocks of a warpgroup's dQ columns
 static_assert(kStep == 64 || kStep == 128, "dS^T rows of one or two 128-byte panels");
 
@@ -164,25 +166,46 @@ __device__ __forceinline__ void product_dq(float (&acc)[kNq][4], unsigned ds, un
   }
 }
 
-// Adds this warp's rows of acc (query rows row0 and row0 + 8 of head n, those
-// below q_len; columns col0 + 8 j + 2 t4 and + 1), times scale, into the
-// float32 dQ.
+// dQ goes out through shared memory: each warp stages its 16 rows of acc
+// (times scale) at sdq, kDqPitch floats apart, and 16 of its lanes add one
+// row each into the float32 dQ with a bulk reduction (cp.reduce.async.bulk,
+// the copy engine's add), so the warps' registers are free again as soon as
+// the stores are, where per-thread atomics held them until the memory system
+// took each one. The pitch (fa_wgmma_backward_dq_pitch) puts 8 consecutive
+// rows in 2 wavefronts of stores and keeps rows 16-byte aligned.
+
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+// Stages this warp's rows (row0 + r, r < 16, of head n, those below q_len;
+// columns col0 .. col0 + kDqCols, those below H) and adds them into dQ.
+// The previous call's reductions must have read sdq: its lanes wait first.
 __device__ __forceinline__ void add_dq(const FaGradParams& p, int b, int n, int row0, int q_len,
-                                       int col0, int t4, const float (&acc)[kNq][4]) {
-  float* const dq = static_cast<float*>(p.dq);
+                                       int col0, unsigned sdq, int lane,
+                                       const float (&acc)[kNq][4]) {
+  const int g = lane >> 2, t4 = lane & 3;
   const float scale = p.rules.scale;
+  if (lane < 16) bulk_wait_read();
+  __syncwarp();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    if (row >= q_len) continue;
-    float* const at = dq + fa_at(p.out_stride, b, row, n) + col0 + 2 * t4;
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int j = 0; j < kNq; ++j) {
-      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at + 8 * j),
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(sdq + ((g + 8 * h) * kDqPitch + 8 * j + 2 * t4) * 4),
                    "f"(acc[j][2 * h] * scale), "f"(acc[j][2 * h + 1] * scale)
                    : "memory");
     }
+  fence_async_smem();
+  __syncwarp();
+  const int cols = min(kDqCols, p.H - col0);
+  if (lane < 16 && row0 + lane < q_len && cols > 0) {
+    float* const at = static_cast<float*>(p.dq) + fa_at(p.out_stride, b, row0 + lane, n) + col0;
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(at),
+                 "r"(sdq + lane * kDqPitch * 4), "r"(cols * 4)
+                 : "memory");
   }
+  if (lane < 16) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 #endif
 
@@ -205,9 +228,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // kDsBuffers buffers of dS^T with atomic dQ (step u uses u % kDsBuffers),
   // none without.
   const unsigned sds = sv + kBlockBytes + kStages * 2 * kStepBytes;
-  float* const scalars = reinterpret_cast<float*>(smem + (sbase - fa_smem_u32(smem)) +
-                                                  2 * kBlockBytes + kStages * 2 * kStepBytes +
-                                                  FA_ATOMIC_DQ * kDsBuffers * kDsBytes);
+  // Then with atomic dQ the staging of dQ rows, 16 per consumer warp.
+  const unsigned sdq = sds + kDsBuffers * kDsBytes + warp * 16 * kDqPitch * 4;
+  float* const scalars = reinterpret_cast<float*>(
+      smem + (sbase - fa_smem_u32(smem)) + 2 * kBlockBytes + kStages * 2 * kStepBytes +
+      FA_ATOMIC_DQ * (kDsBuffers * kDsBytes + kDqStageBytes));
   auto s_lse = [&](int st) { return scalars + st * 2 * kStep; };  // then D
   const unsigned bars = fa_smem_u32(scalars + kStages * 2 * kStep);
   const unsigned kv_full = bars;
@@ -277,8 +302,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   };
   auto finish_dq = [&](float(&dq)[kNq][4], int v) {  // after the wait for dQ's product
     reg_fence<kNq * 4>(&dq[0][0]);
-    add_dq(p, b, n_dq, i_dq + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16 + g, q_len,
-           kDqByRows ? 0 : wg * kDqCols, t4, dq);
+    add_dq(p, b, n_dq, i_dq + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16, q_len,
+           kDqByRows ? 0 : wg * kDqCols, sdq, lane, dq);
   };
 #endif
   int u = 0;
@@ -364,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wg_wait<0>();
     finish_dq(dq, u - 1);
   }
+  if (lane < 16) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before shared memory goes
 #endif
   fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
   fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, 1.f, dv);

@@ -224,6 +224,17 @@ constexpr int kFaWgmmaBackwardStages = 2;
 // With atomic dQ, fa_backward_dkdv's buffers of one step's dS^T (steps
 // alternate): step u's dQ is taken at the start of step u + 1.
 constexpr int kFaWgmmaBackwardDsBuffers = 2;
+// With atomic dQ, the dQ columns of a consumer warpgroup per step: with
+// 128-row steps all H for its 64 rows, else half of H for all 64; and the
+// pitch (floats) of the rows its warps stage in shared memory for the bulk
+// reduction, 8 floats past them, and the staging's bytes (128 rows).
+FA_TILE_FN int fa_wgmma_backward_dq_cols(int h) {
+  return fa_wgmma_backward_step(h) == 128 ? h : h / 2;
+}
+FA_TILE_FN int fa_wgmma_backward_dq_pitch(int h) { return fa_wgmma_backward_dq_cols(h) + 8; }
+FA_TILE_FN int fa_wgmma_backward_dq_stage_bytes(int h) {
+  return 128 * fa_wgmma_backward_dq_pitch(h) * 4;
+}
 
 // The backward kernels' tile: block_m query rows per fa_backward_dq block,
 // block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
@@ -234,14 +245,15 @@ constexpr int kFaWgmmaBackwardDsBuffers = 2;
 // forward's padded rows (fa_volta_tile_bytes), one stage. Kernel 90: Br = Bc
 // = 128 (two consumer warpgroups of 64), 384 threads; fa_backward_dkdv holds K
 // and V and the stages' Q, dO, LSE and D, and with atomic_dq (dQ added into
-// float32 by atomics; no fa_backward_dq) kFaWgmmaBackwardDsBuffers buffers
-// of one step's dS (the step's rows by the block's 128 keys); fa_backward_dq holds Q, dO, LSE and D
+// float32 by bulk reductions; no fa_backward_dq) kFaWgmmaBackwardDsBuffers
+// buffers of one step's dS (the step's rows by the block's 128 keys) and the
+// dQ staging; fa_backward_dq holds Q, dO, LSE and D
 // and the stages' K and V; then alignment slack and the mbarriers.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
   if (kernel_sm == 90) {
     const int step = fa_wgmma_backward_step(h), stages = kFaWgmmaBackwardStages;
     const int dkdv = 2 * 128 * h * 2 + stages * (2 * step * h * 2 + 2 * step * 4) +
-                     (atomic_dq ? kFaWgmmaBackwardDsBuffers * step * 128 * 2 : 0);
+                     (atomic_dq ? kFaWgmmaBackwardDsBuffers * step * 128 * 2 + fa_wgmma_backward_dq_stage_bytes(h) : 0);
     const int dq = 2 * 128 * h * 2 + 2 * 128 * 4 + stages * 2 * step * h * 2;
     return FaTile{128, 128, 3 * 128, (dq > dkdv ? dq : dkdv) + 1024 + 128};
   }
