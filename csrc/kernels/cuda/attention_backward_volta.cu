@@ -129,7 +129,7 @@ __device__ __forceinline__ void two_products(const uint2* a2, const uint2* b2, c
 
 extern "C" __constant__ int fa_params_bytes = sizeof(FaGradParams);
 
-extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dkdv(const FaGradParams p) {
+extern "C" __global__ void __launch_bounds__(kThreads, 1) fa_backward_dkdv(const FaGradParams p) {
   extern __shared__ uint4 smem[];
   uint2* sk2 = reinterpret_cast<uint2*>(smem);
   uint2* sv2 = sk2 + fa_volta_tile_bytes(kBc, kH) / 8;
