@@ -21,7 +21,7 @@
 //                     With FA_ATOMIC_DQ (the default build; FlashAttention-2's
 //                     choice) it also adds each step's
 //                       dQ += dS K                        (both from shared memory)
-//                     into a float32 dQ by atomics: both warpgroups store
+//                     into a float32 dQ by bulk reductions (add_dq): both warpgroups store
 //                     their dS^T rows (keys by the step's queries), from
 //                     which dK += dS^T Q takes its A operand instead, and at
 //                     the start of the next step, once both stored theirs
@@ -300,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     product_dq(dq, sds + (v % kDsBuffers) * kDsBytes, sk, wg);
     wg_commit();
   };
-  auto finish_dq = [&](float(&dq)[kNq][4], int v) {  // after the wait for dQ's product
+  auto finish_dq = [&](float(&dq)[kNq][4]) {  // after the wait for dQ's product
     reg_fence<kNq * 4>(&dq[0][0]);
     add_dq(p, b, n_dq, i_dq + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16, q_len,
            kDqByRows ? 0 : wg * kDqCols, sdq, lane, dq);
@@ -317,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       float dq[kNq][4];
       issue_dq(dq, u - 1);
       wg_wait<0>();
-      finish_dq(dq, u - 1);
+      finish_dq(dq);
       wg_fence();
     }
 #endif
@@ -387,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wg_fence();
     issue_dq(dq, u - 1);
     wg_wait<0>();
-    finish_dq(dq, u - 1);
+    finish_dq(dq);
   }
   if (lane < 16) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before shared memory goes
 #endif
