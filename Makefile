@@ -19,6 +19,7 @@ demo: $(VENV)/.installed-demo
 	$(PY) -m examples.demo
 
 test: $(VENV)/.installed-test
+	$(PY) -m fastattn_jax.ascend fetch || echo "no PTO-ISA headers: the ascend_sim tests skip"
 	$(VENV)/bin/pytest -n 2 --slow --nbmake tests notebooks
 
 bench: $(VENV)/.installed-test

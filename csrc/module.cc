@@ -3,9 +3,12 @@
 // Python's questions about the CUDA kernels from their one owner
 // (csrc/cuda/variants.h) and the kernel cache, none of which needs a GPU.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "ascend/ascend_plan.h"
+#include "ascend/kernel_sources.h"
 #include "cuda/kernel_cache.h"
 #include "cuda/nvrtc.h"
 #include "cuda/variants.h"
@@ -56,6 +59,8 @@ NB_MODULE(_ffi, m) {
     nb::dict cpu, cuda, stages, targets;
     cpu["fastattn_attention_cpu"] = Capsule(AttentionCpu);
     cpu["fastattn_attention_cpu_backward"] = Capsule(AttentionCpuBackward);
+    cpu["fastattn_attention_ascend_sim"] = Capsule(AttentionAscendSim);
+    cpu["fastattn_attention_ascend"] = Capsule(AttentionAscend);
     stages["instantiate"] = Capsule(AttentionCudaInstantiate);
     stages["initialize"] = Capsule(AttentionCudaInitialize);
     stages["execute"] = Capsule(AttentionCudaExecute);
@@ -224,4 +229,55 @@ NB_MODULE(_ffi, m) {
         nb::arg("variant"), nb::arg("arch"),
         "Compiles a variant for arch ('sm_90') or reads it from the disk cache; raises "
         "RuntimeError with NVRTC's log on failure.");
+
+  // --- Ascend kernel: its plan (csrc/ascend/ascend_plan.h) and sources ---------
+
+  m.def("ascend_limits", []() {
+    return Dict({{"max_head_dim", kFaAscendMaxHeadDim}, {"cores", kFaAscendCores},
+                 {"fractal", kFaAscendFractal}, {"ub_bytes", kFaAscendUbBytes},
+                 {"l1_bytes", kFaAscendL1Bytes}, {"l0a_bytes", kFaAscendL0aBytes},
+                 {"l0b_bytes", kFaAscendL0bBytes}, {"l0c_bytes", kFaAscendL0cBytes},
+                 {"float16", kFaAscendF16}, {"bfloat16", kFaAscendBF16}});
+  }, "The 910B capacities (bytes), AI cores, fractal, largest head dim and dtype codes.");
+  m.def("ascend_plan",
+        [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t dtype,
+           std::optional<std::vector<int64_t>> tile) {
+          namespace asc = fastattn::ascend;
+          asc::AscendPlan plan;
+          FaAscendTile chosen{};
+          if (tile) {
+            if (tile->size() != 4) throw nb::value_error("tile must be (Br, Bc, Bb, Hp)");
+            chosen = FaAscendTile{(*tile)[0], (*tile)[1], (*tile)[2], (*tile)[3], dtype};
+          }
+          if (std::string why = asc::PlanAscend(B, T, S, N, K, H, dtype, tile ? &chosen : nullptr,
+                                                &plan);
+              !why.empty()) {
+            throw nb::value_error(why.c_str());
+          }
+          const FaAscendBuffers& b = plan.buffers;
+          return Dict({{"Br", plan.tile.br}, {"Bc", plan.tile.bc}, {"Bb", plan.tile.bb},
+                       {"Hp", plan.tile.hp}, {"dtype", plan.tile.dtype}, {"Tp", plan.Tp},
+                       {"Sp", plan.Sp}, {"splits", plan.splits}, {"cores", plan.cores},
+                       {"workspace_floats", plan.workspace_floats},
+                       {"l1_bytes", b.l1}, {"l0a_bytes", b.l0a}, {"l0b_bytes", b.l0b},
+                       {"l0c_bytes", b.l0c}, {"ub_bytes", b.ub},
+                       {"l1_q", b.l1_q}, {"l1_k", b.l1_k}, {"l1_p", b.l1_p}, {"l1_v", b.l1_v},
+                       {"l0a_q", b.l0a_q}, {"l0a_p", b.l0a_p}, {"l0b_k", b.l0b_k},
+                       {"l0b_v", b.l0b_v}, {"l0c_s", b.l0c_s}, {"l0c_o", b.l0c_o},
+                       {"ub_acc", b.ub_acc}, {"ub_m", b.ub_m}, {"ub_l", b.ub_l},
+                       {"ub_alpha", b.ub_alpha}, {"ub_s", b.ub_s}, {"ub_tmp", b.ub_tmp},
+                       {"ub_mask", b.ub_mask}, {"ub_ramp", b.ub_ramp}, {"ub_p", b.ub_p},
+                       {"ub_pv", b.ub_pv}, {"ub_bool", b.ub_bool}, {"ub_rows", b.ub_rows},
+                       {"ub_index", b.ub_index}});
+        },
+        nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"), nb::arg("K"), nb::arg("H"),
+        nb::arg("dtype"), nb::arg("tile") = nb::none(),
+        "How the Ascend kernel serves a call: tile, padded T and S, split-KV, workspace, and "
+        "each buffer's offset and total (bytes); tile (Br, Bc, Bb, Hp) replaces the chosen "
+        "one. ValueError if it cannot (head dim, heads, a buffer past its capacity).");
+  m.def("ascend_sources", []() {
+    nb::dict d;
+    for (const auto& [name, text] : fastattn::ascend::KernelSources()) d[name.c_str()] = text;
+    return d;
+  }, "The Ascend kernel's sources embedded at build time: {file name: text}.");
 }

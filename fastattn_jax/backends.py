@@ -22,7 +22,7 @@ except ImportError as err:
       "fastattn_jax's native extension (fastattn_jax._ffi) is missing: install "
       "the package with `pip install .` (a source checkout on sys.path, e.g. "
       "the current directory, shadows the installed package)") from err
-from fastattn_jax import cuda, shapes
+from fastattn_jax import ascend, cuda, shapes
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -31,7 +31,8 @@ logger = logging.getLogger("fastattn_jax")
 CPU_TARGET = "fastattn_attention_cpu"
 CPU_BACKWARD_TARGET = "fastattn_attention_cpu_backward"
 #: Fused paths built into this package: implementation name -> JAX platform.
-FUSED_PATHS = {"cpu": "cpu", **{name: "cuda" for name in cuda.IMPLEMENTATIONS}}
+FUSED_PATHS = {"cpu": "cpu", **{name: "cuda" for name in cuda.IMPLEMENTATIONS},
+               **{name: "cpu" for name in ascend.IMPLEMENTATIONS}}
 
 #: Paths that need no kernel of ours.
 OTHER_PATHS = ("xla", "cudnn")
@@ -152,6 +153,8 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
   attrs = rule_attrs(config)
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.call(implementation, config, attrs, q, k, v, bias, mask, q_lens, kv_lens)
+  if implementation in ascend.IMPLEMENTATIONS:
+    return ascend.call(implementation, config, attrs, q, k, v, bias, mask, q_lens, kv_lens)
   B, T, N, _ = q.shape
   return jax.ffi.ffi_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                        jax.ShapeDtypeStruct((B, T, N), jnp.float32)))(

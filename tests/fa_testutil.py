@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import cuda, fast_attention
+from fastattn_jax import ascend, cuda, fast_attention
 
 #: The path under test; None lets the library choose for the platform.
 IMPL = os.environ.get("FASTATTN_TEST_IMPLEMENTATION") or None
@@ -310,10 +310,28 @@ def ref_atol(name: str = "float32", implementation=IMPL) -> float:
   return max(OUT_ATOL[name], OUT_ATOL[computed_dtype(implementation, name)] * 3)
 
 
+def check_case(rng, case: dict, dtype: str, implementation):
+  """``check_call`` on random inputs of a grid ``case``: B, T, S, N, K, H and
+  ``opts`` (fast_attention's options; ``bias=True`` / ``mask=True`` ask for a
+  random (B, N, T, S) bias / (B, 1, T, S) mask, lengths are tuples)."""
+  opts = dict(case["opts"])
+  q, k, v = qkv(rng, case["B"], case["T"], case["S"], case["N"], case["K"], case["H"],
+                DTYPES[dtype])
+  bias = mask = None
+  if opts.pop("bias", False):
+    bias = random_bias(rng, (case["B"], case["N"], case["T"], case["S"]))
+  if opts.pop("mask", False):
+    mask = random_mask(rng, (case["B"], 1, case["T"], case["S"]))
+  opts = {k_: (lengths(v_) if k_.endswith("lengths") else v_) for k_, v_ in opts.items()}
+  return check_call(q, k, v, bias, mask, implementation=implementation, **opts)
+
+
 def computed_dtype(implementation, name: str) -> str:
   """The dtype the path's matrix products take inputs of dtype ``name`` in."""
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.operand_dtype(implementation, name)
+  if implementation in ascend.IMPLEMENTATIONS:
+    return ascend.operand_dtype(name).name
   return name
 
 

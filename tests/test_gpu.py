@@ -60,16 +60,7 @@ def test_default_path_on_gpu(rng):
 ])
 def test_cuda_path(rng, implementation, dtype, case):
   _runnable(implementation)
-  opts = dict(case["opts"])
-  q, k, v = tu.qkv(rng, case["B"], case["T"], case["S"], case["N"], case["K"], case["H"],
-                   tu.DTYPES[dtype])
-  bias = mask = None
-  if opts.pop("bias", False):
-    bias = tu.random_bias(rng, (case["B"], case["N"], case["T"], case["S"]))
-  if opts.pop("mask", False):
-    mask = tu.random_mask(rng, (case["B"], 1, case["T"], case["S"]))
-  opts = {k_: (tu.lengths(v_) if k_.endswith("lengths") else v_) for k_, v_ in opts.items()}
-  tu.check_call(q, k, v, bias, mask, implementation=implementation, **opts)
+  tu.check_case(rng, case, dtype, implementation)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -20,3 +20,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaBackwardInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCudaBackwardExecute);
 XLA_FFI_TypeId* CudaSiteStateTypeId();
 const XLA_FFI_TypeInfo* CudaSiteStateTypeInfo();
+// fastattn_attention_ascend_sim, platform cpu: the Ascend kernel on PTO-ISA's
+// CPU simulator; fastattn_attention_ascend: the same kernel on an NPU (ACL).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionAscendSim);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionAscend);

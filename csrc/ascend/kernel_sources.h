@@ -1,0 +1,15 @@
+// The Ascend kernel's sources (csrc/kernels/ascend/ and the shared index
+// rules), embedded into the extension at build time (CMakeLists.txt generates
+// ascend_kernel_sources.cc); fastattn_jax.ascend writes them out to compile.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fastattn::ascend {
+
+// (file name, text) of every source and header.
+const std::vector<std::pair<std::string, std::string>>& KernelSources();
+
+}  // namespace fastattn::ascend

@@ -1,0 +1,312 @@
+"""The Ascend kernel from Python: its plan, its build at first use, the custom calls.
+
+One PTO-ISA source (``csrc/kernels/ascend/attention_ascend.cpp``, embedded in
+the extension) serves two paths, both XLA custom calls on JAX's host platform
+(JAX has no Ascend backend):
+
+* ``"ascend_sim"``: the kernel built by clang for PTO-ISA's CPU simulator,
+  which executes the Cube and Vector tile instructions functionally and
+  checks every buffer against the Ascend 910B's capacities. It runs anywhere
+  the toolchain is: clang >= 19 (the ``ziglang`` package ships one) and the
+  PTO-ISA headers (``python -m fastattn_jax.ascend fetch`` takes them from the
+  ``tilelang-ascend`` wheel on PyPI into the kernel cache; their licence, the
+  CANN Open Software License, keeps them out of this package).
+* ``"ascend"``: the kernel built by CANN's ``bisheng`` and run on NPU 0
+  through the ACL runtime (operands copied to the device and back). Written
+  to CANN's documentation; never run (no NPU or CANN was reachable).
+
+Which tile serves a call, the padded shapes, the split-KV count and the
+workspace come from one owner, ``csrc/ascend/ascend_plan.h``, asked through
+the extension (``plan``). Builds are kept in the kernel cache
+(``FASTATTN_CACHE_DIR``, shared with the CUDA kernels) under a key of the
+sources, the compiler and its flags, written atomically.
+
+Environment:
+  FASTATTN_PTO_ISA  the PTO-ISA ``include`` folder (default: the one
+                    ``python -m fastattn_jax.ascend fetch`` put in the cache).
+  ASCEND_HOME_PATH  CANN's install folder (set by its ``set_env.sh``), for
+                    ``bisheng``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fastattn_jax import _ffi, cuda
+from fastattn_jax.shapes import AttentionConfig
+
+logger = logging.getLogger("fastattn_jax")
+
+#: The FFI targets, by implementation name.
+TARGETS = {"ascend_sim": "fastattn_attention_ascend_sim", "ascend": "fastattn_attention_ascend"}
+IMPLEMENTATIONS = tuple(TARGETS)
+
+_LIMITS = _ffi.ascend_limits()
+#: Largest head dim of the Ascend kernel.
+MAX_HEAD_DIM = _LIMITS["max_head_dim"]
+#: The 910B's buffer capacities in bytes, by buffer.
+CAPACITIES = {name: _LIMITS[f"{name.lower()}_bytes"] for name in ("UB", "L1", "L0A", "L0B", "L0C")}
+_DTYPE_CODES = {"float16": _LIMITS["float16"], "bfloat16": _LIMITS["bfloat16"]}
+
+#: The registry package that ships the PTO-ISA headers, and their folder in it.
+PTO_WHEEL = "tilelang-ascend==0.1.4"
+_PTO_IN_WHEEL = "tilelang/3rdparty/pto-isa/include/"
+#: The oldest clang that builds PTO-ISA's simulator (C++23).
+_MIN_CLANG = 19
+
+
+class Unavailable(RuntimeError):
+  """A path's toolchain or device is missing; the message names it and how to get it."""
+
+
+def operand_dtype(dtype) -> jnp.dtype:
+  """The dtype the kernel multiplies ``dtype`` inputs in: float16 and
+  bfloat16 as they are, float32 rounded to float16 (the Cube takes 16-bit
+  operands; accumulation is float32 either way)."""
+  return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float16)
+
+
+def plan(q_shape, k_shape, dtype, tile: tuple[int, int, int, int] | None = None) -> dict:
+  """How the Ascend kernel serves q (B, T, N, H) against k, v (B, S, K, H) in
+  ``dtype``: tile (Br, Bc, Bb, Hp), padded Tp and Sp, split-KV ways, AI
+  cores, workspace floats, and each buffer's offset and total in bytes
+  (``l1_bytes``, ``ub_bytes``, ...). ``tile`` replaces the chosen tile
+  (to study others: the notebook, the capacity tests).
+
+  Raises:
+    ValueError: the kernel cannot serve the call: H above 256, N not a
+      multiple of K, or a tile that passes one of the 910B's buffers (the
+      message names the buffer, the bytes needed and its capacity).
+  """
+  B, T, N, H = q_shape
+  S, K = k_shape[1], k_shape[2]
+  code = _DTYPE_CODES[operand_dtype(dtype).name]
+  return _ffi.ascend_plan(B, T, S, N, K, H, code, None if tile is None else list(tile))
+
+
+# --- toolchains ------------------------------------------------------------------
+
+def pto_include() -> str:
+  """The PTO-ISA include folder (``FASTATTN_PTO_ISA``, else the fetched one).
+
+  Raises:
+    Unavailable: neither exists.
+  """
+  path = os.environ.get("FASTATTN_PTO_ISA") or _fetched_pto()
+  if not os.path.isfile(os.path.join(path, "pto", "pto-inst.hpp")):
+    raise Unavailable(
+        f"the PTO-ISA headers are missing (looked in {path}): run `python -m "
+        f"fastattn_jax.ascend fetch` (downloads {PTO_WHEEL} from PyPI) or set "
+        f"FASTATTN_PTO_ISA to a pto-isa/include folder")
+  return path
+
+
+def _fetched_pto() -> str:
+  return os.path.join(cuda.cache_dir() or tempfile.gettempdir(), "pto-isa",
+                      PTO_WHEEL.replace("==", "-"), "include")
+
+
+def fetch_pto() -> str:
+  """Downloads the PTO-ISA headers from PyPI (the ``tilelang-ascend`` wheel,
+  any platform's: the headers are the same) into the kernel cache; returns
+  the include folder. Needs pip and the network once."""
+  dest = _fetched_pto()
+  if os.path.isfile(os.path.join(dest, "pto", "pto-inst.hpp")):
+    return dest
+  with tempfile.TemporaryDirectory() as tmp:
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "--python-version", "3.11", "--platform",
+                    "manylinux2014_aarch64", PTO_WHEEL, "-d", tmp], check=True)
+    wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    staging = tempfile.mkdtemp(dir=os.path.dirname(dest))  # same file system: atomic rename
+    with zipfile.ZipFile(wheel) as z:
+      for name in z.namelist():
+        if name.startswith(_PTO_IN_WHEEL) and not name.endswith("/"):
+          z.extract(name, staging)
+    os.replace(os.path.join(staging, _PTO_IN_WHEEL), dest)
+    shutil.rmtree(staging, ignore_errors=True)
+  return dest
+
+
+def sim_compiler() -> list[str]:
+  """The command of a clang >= 19 C++ compiler: the ``ziglang`` package's,
+  else ``clang++-19`` or newer, or ``clang++``, on PATH.
+
+  Raises:
+    Unavailable: none found.
+  """
+  try:
+    import ziglang  # noqa: F401  (the package ships clang as `zig c++`)
+    return [sys.executable, "-m", "ziglang", "c++"]
+  except ImportError:
+    pass
+  for name in [f"clang++-{v}" for v in range(30, _MIN_CLANG - 1, -1)] + ["clang++"]:
+    path = shutil.which(name)
+    if path and _clang_major(path) >= _MIN_CLANG:
+      return [path]
+  raise Unavailable(
+      f"implementation='ascend_sim' needs clang >= {_MIN_CLANG} to build PTO-ISA's CPU "
+      f"simulator: `pip install ziglang` (or install clang-{_MIN_CLANG})")
+
+
+def _clang_major(path: str) -> int:
+  out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+  words = out.split("version ", 1)[-1].split(".", 1)[0]
+  return int(words) if words.isdigit() else 0
+
+
+def bisheng() -> list[str]:
+  """CANN's ``bisheng`` compiler, from ``ASCEND_HOME_PATH`` or PATH.
+
+  Raises:
+    Unavailable: CANN is not installed (or its set_env.sh not sourced).
+  """
+  home = os.environ.get("ASCEND_HOME_PATH", "")
+  for path in (os.path.join(home, "compiler", "ccec_compiler", "bin", "bisheng") if home else "",
+               shutil.which("bisheng") or ""):
+    if path and os.access(path, os.X_OK):
+      return [path]
+  raise Unavailable(
+      "implementation='ascend' needs CANN: no `bisheng` compiler (install the CANN toolkit "
+      "and source its set_env.sh; or use implementation='ascend_sim')")
+
+
+def unavailable(implementation: str) -> str | None:
+  """Why ``implementation`` cannot run on this machine, or None if it can."""
+  try:
+    _toolchain(implementation)
+    if implementation == "ascend":
+      ctypes.CDLL("libascendcl.so")
+  except (Unavailable, OSError) as err:
+    return str(err)
+  return None
+
+
+def _toolchain(implementation: str) -> tuple[list[str], list[str]]:
+  """(compiler command, flags) that build ``implementation``'s library."""
+  include = pto_include()
+  if implementation == "ascend_sim":
+    # {sources}: where the embedded sources are written (``_compile``);
+    # their sim/ folder holds <stdfloat> for a C++ library without one.
+    return sim_compiler(), ["-std=c++23", "-O2", "-shared", "-fPIC", "-D__CPU_SIM",
+                            "-D__STDCPP_BFLOAT16_T__=1", "-isystem", "{sources}/ascend/sim",
+                            "-include", "stdint.h", "-include", "stddef.h", f"-I{include}"]
+  # A mixed Cube + Vector kernel for A2/A3 (dav-c220), as a shared library
+  # whose host function fa_ascend_launch launches it (csrc/ascend/acl_runtime.h).
+  return bisheng(), ["-xcce", "--cce-aicore-arch=dav-c220", "-O2", "-std=c++17", "-fPIC",
+                     "-shared", f"-I{include}"]
+
+
+# --- building --------------------------------------------------------------------
+
+_built: dict[str, str] = {}  # key -> library path, this process
+_lock = threading.Lock()
+
+
+def library(implementation: str, plan_: dict) -> str:
+  """The path of ``implementation``'s kernel library for ``plan_``'s tile,
+  built at first use (seconds) and kept in the kernel cache.
+
+  Raises:
+    Unavailable: the toolchain is missing.
+    RuntimeError: the compiler failed (its output in the message).
+  """
+  compiler, flags = _toolchain(implementation)
+  tile = [f"-DFA_BR={plan_['Br']}", f"-DFA_BC={plan_['Bc']}", f"-DFA_BB={plan_['Bb']}",
+          f"-DFA_HP={plan_['Hp']}", f"-DFA_DTYPE={plan_['dtype']}"]
+  sources = _ffi.ascend_sources()
+  version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+  digest = hashlib.sha256(repr((sorted(sources.items()), compiler[-1], version, flags,
+                                tile)).encode()).hexdigest()[:24]
+  with _lock:
+    if digest in _built:
+      return _built[digest]
+    root = cuda.cache_dir() or tempfile.mkdtemp(prefix="fastattn_ascend_")
+    path = os.path.join(root, "ascend", f"{implementation}-{digest}.so")
+    if not os.path.isfile(path):
+      _compile(compiler, flags + tile, sources, path)
+    _built[digest] = path
+    return path
+
+
+def _compile(compiler, flags, sources, path):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, text in sources.items():
+      os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+      with open(os.path.join(tmp, name), "w") as f:
+        f.write(text)
+    out = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    cmd = [*compiler, *(f.format(sources=tmp) for f in flags), f"-I{tmp}",
+           os.path.join(tmp, "ascend", "attention_ascend.cpp"), "-o", out]
+    logger.info("fastattn_jax: building the Ascend kernel: %s", " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+      raise RuntimeError(f"building the Ascend kernel failed ({' '.join(cmd)}):\n"
+                         f"{done.stderr[-4000:]}")
+    os.replace(out, path)  # atomic: readers see no file or a whole one
+
+
+# --- the custom call -------------------------------------------------------------
+
+def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias=None,
+         mask=None, q_lens=None, kv_lens=None):
+  """Runs the Ascend kernel of ``implementation``; returns (out, lse) of
+  shapes (B, T, N, H) in q's dtype and (B, T, N) float32.
+
+  The operands go to the kernel as ``kernel_operands`` prepares them.
+  ``attrs``: the rule attributes (``backends.rule_attrs``).
+
+  Raises:
+    Unavailable: the toolchain (or, for "ascend", CANN or an NPU) is missing.
+    ValueError: the plan refuses the call (``plan``).
+  """
+  B, T, N, H = q.shape
+  operands, p = kernel_operands(q, k, v, bias, mask, q_lens, kv_lens)
+  path = library(implementation, p)
+  if implementation == "ascend" and (why := unavailable("ascend")):
+    raise Unavailable(why)
+  out, lse = jax.ffi.ffi_call(TARGETS[implementation], (
+      jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype),
+      jax.ShapeDtypeStruct((B, p["Tp"], N), jnp.float32)))(*operands, **attrs, library=path)
+  return out[:, :T, :, :H].astype(q.dtype), lse[:, :T]
+
+
+def kernel_operands(q, k, v, bias=None, mask=None, q_lens=None, kv_lens=None):
+  """The Ascend targets' operands for a call, and its plan: q (B, T, N, H),
+  k and v (B, S, K, H) in the operand dtype, zero-padded to whole tiles (T
+  to Tp, S to Sp, H to Hp: a copy); a bias (float32) or mask broadcast over T
+  and S and padded likewise (empty when absent); the lengths, T and S where
+  absent, clipped to T and S (which masks the padded keys)."""
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  p = plan(q.shape, k.shape, q.dtype)
+  dtype = operand_dtype(q.dtype)
+  Tp, Sp, Hp = p["Tp"], p["Sp"], p["Hp"]
+  pad_rows = lambda x, rows: jnp.pad(x.astype(dtype),
+                                     ((0, 0), (0, rows - x.shape[1]), (0, 0), (0, Hp - H)))
+
+  def full_rows(x, dtype_, fill):
+    x = jnp.broadcast_to(x.astype(dtype_), x.shape[:2] + (T, S))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, Sp - S)), constant_values=fill)
+
+  lengths = lambda x, full: jnp.full((B,), full, jnp.int32) if x is None else jnp.minimum(
+      x.astype(jnp.int32), full)
+  return (pad_rows(q, Tp), pad_rows(k, Sp), pad_rows(v, Sp),
+          jnp.zeros((0,), jnp.float32) if bias is None else full_rows(bias, jnp.float32, 0),
+          jnp.zeros((0,), jnp.bool_) if mask is None else full_rows(mask, jnp.bool_, False),
+          lengths(q_lens, T), lengths(kv_lens, S)), p

@@ -1,0 +1,179 @@
+"""The Ascend kernel on PTO-ISA's CPU simulator (``implementation="ascend_sim"``).
+
+The kernel source that would run on a 910B runs here tile instruction by tile
+instruction, with the simulator checking every buffer against the 910B's
+capacities, through the package's own XLA custom call. Skipped, with the
+reason, where the toolchain is missing (``python -m fastattn_jax.ascend
+check``; ``make test`` installs it). ``FASTATTN_TEST_IMPLEMENTATION=ascend_sim``
+runs the rest of the suite on this path too (slow).
+
+The NPU path (``"ascend"``) cannot run here: the tests check that it says
+what is missing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import _ffi, ascend, backends, fast_attention
+from fastattn_jax.decode import decode_attention
+from fastattn_jax.shapes import AttentionConfig
+
+SIM = "ascend_sim"
+_MISSING = ascend.unavailable(SIM)
+needs_sim = pytest.mark.skipif(_MISSING is not None, reason=f"ascend_sim unavailable: {_MISSING}")
+
+# The CUDA paths' grid (tests/test_gpu.py) at the simulator's sizes, plus
+# decode over a cache (split-KV), GQA with K = 1, H = 256 and odd shapes.
+CASES = [
+    dict(B=2, T=97, S=130, N=4, K=2, H=64, opts=dict(is_causal=True)),
+    dict(B=1, T=1, S=1000, N=8, K=1, H=128, opts={}),
+    dict(B=2, T=80, S=80, N=2, K=1, H=128, opts=dict(scale=-0.15, is_causal=True)),
+    dict(B=3, T=64, S=64, N=2, K=2, H=40, opts=dict(local_window_size=(7, 3))),
+    dict(B=2, T=33, S=77, N=2, K=1, H=256, opts=dict(logits_soft_cap=5.0, bias=True)),
+    dict(B=2, T=70, S=90, N=3, K=3, H=96,
+         opts=dict(mask=True, query_seq_lengths=(70, 9), key_value_seq_lengths=(0, 41))),
+    dict(B=2, T=3, S=700, N=4, K=2, H=64,
+         opts=dict(is_causal=True, key_value_seq_lengths=(700, 333))),
+    dict(B=1, T=300, S=40, N=2, K=2, H=20,
+         opts=dict(is_causal=True, local_window_size=(5, 0), query_seq_lengths=(250,))),
+]
+
+
+@needs_sim
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{B}T{T}S{S}N{N}K{K}H{H}".format(**c))
+def test_ascend_sim_path(rng, dtype, case):
+  tu.check_case(rng, case, dtype, SIM)
+
+
+@needs_sim
+def test_decode_splits_the_keys(rng):
+  """One query row over a long cache: too few units for the 20 AI cores, so
+  the plan splits the keys (split-KV) and the merge runs; the result still
+  passes the acceptance rule."""
+  q, k, v = tu.qkv(rng, 2, 1, 2000, 4, 1, 64, jnp.float16)
+  lengths = jnp.array([1500, 2000], jnp.int32)
+  got = decode_attention(q, k, v, lengths, implementation=SIM).block_until_ready()
+  ran = _ffi.recorded_plans()["ascend_sim"]
+  want = decode_attention(q, k, v, lengths, implementation="xla")
+  assert tu.max_err(got, want) <= tu.JAXNN_TOL["float16"]
+  assert ran["splits"] > 1 and ran["Br"] == 16, ran
+
+
+@needs_sim
+def test_outputs_fully_written(rng):
+  """Every element of the kernel's (padded) outputs is written: the custom
+  call runs as the root of a computation whose donated NaN-filled inputs
+  alias its results (as in test_poison.py, checked the same way)."""
+  q, k, v = tu.qkv(rng, 2, 37, 150, 4, 2, 40, jnp.bfloat16)
+  q_lens = jnp.array([37, 0], jnp.int32)
+  operands, p = ascend.kernel_operands(q, k, v, q_lens=q_lens)
+  path = ascend.library(SIM, p)
+  attrs = backends.rule_attrs(AttentionConfig(scale=1 / np.sqrt(40), is_causal=True))
+  out_shape = jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype)
+  lse_shape = jax.ShapeDtypeStruct(operands[0].shape[:3], jnp.float32)
+
+  def run(out0, lse0, *ops):
+    del out0, lse0
+    return jax.ffi.ffi_call(ascend.TARGETS[SIM], (out_shape, lse_shape))(
+        *ops, **attrs, library=path)
+
+  poisoned = (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),
+              jnp.full(lse_shape.shape, jnp.nan, jnp.float32))
+  pointers = [x.unsafe_buffer_pointer() for x in poisoned]
+  fn = jax.jit(run, donate_argnums=(0, 1), keep_unused=True)
+  assert "input_output_alias" in fn.lower(*poisoned, *operands).as_text("hlo")
+  out, lse = fn(*poisoned, *operands)
+  assert [out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()] == pointers
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert not np.isnan(np.asarray(lse)).any()
+  ref_out, ref_lse = tu.reference64(q, k, v, is_causal=True, query_seq_lengths=q_lens)
+  T, H = q.shape[1], q.shape[3]
+  assert tu.max_err(out[:, :T, :, :H], ref_out) < 2e-2
+  np.testing.assert_array_equal(np.isinf(lse[:, :T]), np.isinf(ref_lse))
+
+
+# --- the plan: tiles against the 910B's buffers -------------------------------
+
+@pytest.mark.parametrize("H, tile", [(64, (128, 128, 32, 64)), (128, (128, 128, 32, 128)),
+                                     (256, (64, 64, 32, 256)), (20, (128, 128, 32, 32))])
+def test_plan_fits_the_910b(H, tile):
+  p = ascend.plan((2, 1000, 8, H), (2, 1000, 2, H), jnp.bfloat16)
+  assert (p["Br"], p["Bc"], p["Bb"], p["Hp"]) == tile
+  for buffer, capacity in ascend.CAPACITIES.items():
+    assert 0 < p[f"{buffer.lower()}_bytes"] <= capacity, (buffer, p)
+  assert p["Tp"] == 1024 and p["Sp"] == 1024 and p["splits"] == 1
+
+
+def test_plan_shrinks_br_for_short_queries():
+  assert ascend.plan((1, 1, 8, 128), (1, 4096, 1, 128), jnp.float16)["Br"] == 16
+  assert ascend.plan((1, 40, 8, 128), (1, 4096, 1, 128), jnp.float16)["Br"] == 48
+
+
+@pytest.mark.parametrize("tile, buffer", [((256, 128, 32, 128), "L0A"),
+                                          ((64, 256, 32, 128), "L0B"),
+                                          ((128, 128, 128, 128), "UB")])
+def test_tile_past_a_buffer_is_rejected(tile, buffer):
+  with pytest.raises(ValueError, match=rf"needs \d+ bytes of the 910B's {buffer}, which holds"):
+    ascend.plan((1, 512, 2, 128), (1, 512, 2, 128), jnp.float16, tile=tile)
+
+
+def test_plan_refuses_what_the_kernel_cannot_do():
+  with pytest.raises(ValueError, match="H=288"):
+    ascend.plan((1, 8, 2, 288), (1, 8, 2, 288), jnp.float16)
+  with pytest.raises(ValueError, match="not a 910B Cube tile"):
+    ascend.plan((1, 8, 2, 64), (1, 8, 2, 64), jnp.float16, tile=(120, 128, 40, 64))
+
+
+# --- the FFI handler's checks -------------------------------------------------
+
+def _target_call(q, k, v, bias, mask, q_lens, kv_lens, out_dtype=None):
+  B, T, N, _ = q.shape
+  return jax.ffi.ffi_call(ascend.TARGETS[SIM], (
+      jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
+      jax.ShapeDtypeStruct((B, T, N), jnp.float32)))(
+          q, k, v, bias, mask, q_lens, kv_lens, scale=np.float32(1), softcap=np.float32(0),
+          is_causal=np.int64(0), end_aligned=np.int64(0), window_left=np.int64(-1),
+          window_right=np.int64(-1), library="/nonexistent.so")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q=jnp.zeros((1, 20, 2, 64), jnp.float16)), "not padded to whole tiles"),
+    (dict(q=jnp.zeros((1, 32, 2, 64), jnp.float32), k=jnp.zeros((1, 128, 2, 64), jnp.float32),
+          v=jnp.zeros((1, 128, 2, 64), jnp.float32)), "F16, BF16"),
+    (dict(k=jnp.zeros((1, 128, 3, 64), jnp.float16),
+          v=jnp.zeros((1, 128, 3, 64), jnp.float16)), "do not fit"),
+    (dict(q_lens=jnp.zeros((2,), jnp.int32)), r"shape \(B,\)"),
+    (dict(bias=jnp.zeros((1, 2, 1, 128), jnp.float32)), "must span T and S"),
+    (dict(), "cannot load the simulated Ascend kernel /nonexistent.so"),
+])
+def test_handler_checks_its_operands(change, message):
+  ops = dict(q=jnp.zeros((1, 32, 2, 64), jnp.float16), k=jnp.zeros((1, 128, 2, 64), jnp.float16),
+             v=jnp.zeros((1, 128, 2, 64), jnp.float16), bias=jnp.zeros((0,), jnp.float32),
+             mask=jnp.zeros((0,), jnp.bool_), q_lens=jnp.ones((1,), jnp.int32),
+             kv_lens=jnp.ones((1,), jnp.int32))
+  ops.update(change)
+  with pytest.raises(Exception, match=message):
+    jax.block_until_ready(jax.jit(_target_call)(**ops))
+
+
+# --- the NPU path ---------------------------------------------------------------
+
+def test_npu_path_names_what_is_missing(rng):
+  why = ascend.unavailable("ascend")
+  if why is None:
+    pytest.skip("CANN and an NPU are present: the NPU path runs (not this test's subject)")
+  assert "CANN" in why or "PTO-ISA" in why or "libascendcl" in why, why
+  q, k, v = tu.qkv(rng, 1, 8, 8, 2, 2, 64, jnp.float16)
+  with pytest.raises(ascend.Unavailable, match="implementation='ascend' needs|PTO-ISA"):
+    jax.jit(lambda q, k, v: fast_attention(q, k, v, implementation="ascend")).lower(q, k, v)
+
+
+def test_check_command_reports_each_path(capsys):
+  from fastattn_jax.ascend import __main__ as cli
+  assert cli.main(["check"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split(":")[0] for line in lines] == list(ascend.IMPLEMENTATIONS)
