@@ -20,6 +20,11 @@ jitted, inputs already on the device):
   logits of the unfused path). Workspace that a fused kernel allocates
   internally is not visible to XLA and not counted.
 
+On a host with an Ascend NPU and torch_npu (``_ascend_competitors``), the
+CPU grid adds fast_attention's "ascend" path and CANN's FlashAttentionScore
+(``torch_npu.npu_fusion_attention``, the vendor baseline), both timed from
+host arrays: each call copies its operands to the NPU and the result back.
+
 Competitors that materialize the T x S logits are skipped (reported as
 "skip", with the reason) where one float32 B x N x T x S buffer would exceed
 ``--memory-budget`` (default a quarter of the memory: RAM on CPU); they are
@@ -54,10 +59,11 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 import fastattn_jax
-from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax import ascend, fast_attention, resolve_implementation
 from fastattn_jax._util import format_bytes, median_seconds
 
 SUBJECT = "fastattn"
@@ -148,6 +154,8 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
       Competitor(SUBJECT, _fast, materializes_logits=fast_path == "xla"),
       Competitor("xla", _jax_nn("xla"), materializes_logits=True),
   ]
+  if backend == "cpu" and not backward:
+    comps += _ascend_competitors()
   if backend == "cuda":
     comps.append(Competitor("cudnn", _jax_nn("cudnn"), materializes_logits=False))
     if fast_path == "cuda_sm90":
@@ -157,6 +165,39 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
     if fast_path == "cuda_sm90" and backward:
       comps.append(Competitor("fastattn_deterministic", _deterministic, materializes_logits=False))
   return comps
+
+
+def _ascend_competitors() -> list[Competitor]:
+  """fast_attention on the NPU ("ascend") and torch_npu's npu_fusion_attention
+  (CANN's FlashAttentionScore, BSND layout, sparse_mode 3 for jax.nn's
+  causal alignment at T = S), where torch_npu imports, an NPU is present and
+  the "ascend" path can build; else none. The vendor call runs through
+  ``jax.pure_callback`` (host arrays in and out, as the "ascend" custom call
+  takes them)."""
+  try:
+    import torch
+    import torch_npu
+    present = torch.npu.is_available()
+  except Exception:  # not installed, or installed without CANN
+    return []
+  if not present or ascend.unavailable("ascend"):
+    return []
+
+  def vendor(case: Case) -> Callable:
+    causal_mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1).npu()
+
+    def run(q, k, v):
+      dtype = getattr(torch, case.dtype)
+      t = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(dtype).npu()
+      out = torch_npu.npu_fusion_attention(
+          t(q), t(k), t(v), case.N, "BSND", scale=case.H ** -0.5,
+          atten_mask=causal_mask if case.causal else None, sparse_mode=3 if case.causal else 0)[0]
+      return out.float().cpu().numpy().astype(q.dtype)
+
+    return lambda q, k, v: jax.pure_callback(run, jax.ShapeDtypeStruct(q.shape, q.dtype), q, k, v)
+
+  return [Competitor("fastattn_ascend", _forced("ascend"), materializes_logits=False),
+          Competitor("npu_fusion_attention", vendor, materializes_logits=False)]
 
 
 def cpu_grid(dtype: str, seq_lens, decode_lens) -> list[Case]:
