@@ -22,6 +22,14 @@ from fastattn_jax.decode import decode_attention
 from fastattn_jax.shapes import AttentionConfig
 
 SIM = "ascend_sim"
+
+
+@pytest.fixture(autouse=True)
+def on_the_host():
+  """Both Ascend targets are custom calls of JAX's host platform: arrays live
+  on the CPU device, also where a GPU is the default one."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
 _MISSING = ascend.unavailable(SIM)
 needs_sim = pytest.mark.skipif(_MISSING is not None, reason=f"ascend_sim unavailable: {_MISSING}")
 
