@@ -200,7 +200,8 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
     dv = dv + dot("bkgts,btkgh->bskh", p, dob)
     return (dk, dv), dq.reshape(B, rows, N, H)
 
-  zeros = jnp.zeros((B, S, K, H), acc)
+  # zeros_like: under shard_map the carry varies over the manual axes as the keys do.
+  zeros = jnp.zeros_like(key, acc)
   (dk, dv), dq = jax.lax.scan(block, (zeros, zeros), jnp.arange(blocks))
   dq = jnp.moveaxis(dq, 0, 1).reshape(B, blocks * rows, N, H)[:, :T]
   return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
