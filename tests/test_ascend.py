@@ -33,16 +33,9 @@ def on_the_host():
 _MISSING = ascend.unavailable(SIM)
 needs_sim = pytest.mark.skipif(_MISSING is not None, reason=f"ascend_sim unavailable: {_MISSING}")
 
-# The CUDA paths' grid (tests/test_gpu.py) at the simulator's sizes, plus
-# decode over a cache (split-KV), GQA with K = 1, H = 256 and odd shapes.
-CASES = [
-    dict(B=2, T=97, S=130, N=4, K=2, H=64, opts=dict(is_causal=True)),
-    dict(B=1, T=1, S=1000, N=8, K=1, H=128, opts={}),
-    dict(B=2, T=80, S=80, N=2, K=1, H=128, opts=dict(scale=-0.15, is_causal=True)),
-    dict(B=3, T=64, S=64, N=2, K=2, H=40, opts=dict(local_window_size=(7, 3))),
-    dict(B=2, T=33, S=77, N=2, K=1, H=256, opts=dict(logits_soft_cap=5.0, bias=True)),
-    dict(B=2, T=70, S=90, N=3, K=3, H=96,
-         opts=dict(mask=True, query_seq_lengths=(70, 9), key_value_seq_lengths=(0, 41))),
+# The grid of every path (fa_testutil.PATH_GRID), plus a few new tokens over a
+# cache of two lengths and rows no key reaches (T > S, causal, a window).
+CASES = tu.PATH_GRID + [
     dict(B=2, T=3, S=700, N=4, K=2, H=64,
          opts=dict(is_causal=True, key_value_seq_lengths=(700, 333))),
     dict(B=1, T=300, S=40, N=2, K=2, H=20,
@@ -55,6 +48,24 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{B}T{T}S{S}N{N}K{K}H{H}".format(**c))
 def test_ascend_sim_path(rng, dtype, case):
   tu.check_case(rng, case, dtype, SIM)
+
+
+@needs_sim
+@pytest.mark.parametrize("bias_shape, mask_shape", [
+    ((1, 3, 1, 77), (2, 1, 33, 1)),   # bias over S only, mask over T only
+    ((2, 1, 33, 1), (1, 3, 1, 77)),   # and the other way round
+    ((1, 1, 1, 1), (1, 1, 1, 1)),     # scalars
+    ((2, 3, 33, 77), (2, 3, 33, 77)),
+])
+def test_broadcast_bias_and_mask(rng, bias_shape, mask_shape):
+  """Bias and mask broadcast over T or S are read as a row, a column or a
+  scalar per slice (no T x S copy), each agreeing with the reference."""
+  q, k, v = tu.qkv(rng, 2, 33, 77, 3, 1, 64, jnp.bfloat16)
+  mask = tu.random_mask(rng, mask_shape, 0.8)
+  if mask_shape == (1, 1, 1, 1):
+    mask = jnp.ones(mask_shape, bool)
+  tu.check_call(q, k, v, tu.random_bias(rng, bias_shape), mask, implementation=SIM,
+                is_causal=True)
 
 
 @needs_sim
@@ -155,7 +166,7 @@ def _target_call(q, k, v, bias, mask, q_lens, kv_lens, out_dtype=None):
     (dict(k=jnp.zeros((1, 128, 3, 64), jnp.float16),
           v=jnp.zeros((1, 128, 3, 64), jnp.float16)), "do not fit"),
     (dict(q_lens=jnp.zeros((2,), jnp.int32)), r"shape \(B,\)"),
-    (dict(bias=jnp.zeros((1, 2, 1, 128), jnp.float32)), "must span T and S"),
+    (dict(bias=jnp.zeros((1, 2, 5, 128), jnp.float32)), "does not broadcast"),
     (dict(), "cannot load the simulated Ascend kernel /nonexistent.so"),
 ])
 def test_handler_checks_its_operands(change, message):

@@ -100,21 +100,17 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
     if (auto err = BroadcastStrides("bias", bias.dimensions(), full, strides); err.failure()) {
       return err;
     }
-    if (strides[2] == 0 || strides[3] == 0) {
-      return ffi::Error::InvalidArgument("bias must span T and S (fastattn_jax.ascend broadcasts them)");
-    }
     p.bias = static_cast<const float*>(bias.untyped_data());
     p.bias_stride_b = strides[0], p.bias_stride_n = strides[1];
+    p.bias_stride_t = strides[2], p.bias_stride_s = strides[3];
   }
   if (mask.element_count() > 0) {
     if (auto err = BroadcastStrides("mask", mask.dimensions(), full, strides); err.failure()) {
       return err;
     }
-    if (strides[2] == 0 || strides[3] == 0) {
-      return ffi::Error::InvalidArgument("mask must span T and S (fastattn_jax.ascend broadcasts them)");
-    }
     p.mask = reinterpret_cast<const uint8_t*>(mask.typed_data());
     p.mask_stride_b = strides[0], p.mask_stride_n = strides[1];
+    p.mask_stride_t = strides[2], p.mask_stride_s = strides[3];
   }
   p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
   p.q_lens = q_lens.typed_data(), p.kv_lens = kv_lens.typed_data();

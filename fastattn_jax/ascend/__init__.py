@@ -268,7 +268,8 @@ def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bia
   """Runs the Ascend kernel of ``implementation``; returns (out, lse) of
   shapes (B, T, N, H) in q's dtype and (B, T, N) float32.
 
-  The operands go to the kernel as ``kernel_operands`` prepares them.
+  The operands go to the kernel as ``kernel_operands`` prepares them (a
+  bias or mask broadcast over T or S stays so: no T x S array).
   ``attrs``: the rule attributes (``backends.rule_attrs``).
 
   Raises:
@@ -289,24 +290,31 @@ def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bia
 def kernel_operands(q, k, v, bias=None, mask=None, q_lens=None, kv_lens=None):
   """The Ascend targets' operands for a call, and its plan: q (B, T, N, H),
   k and v (B, S, K, H) in the operand dtype, zero-padded to whole tiles (T
-  to Tp, S to Sp, H to Hp: a copy); a bias (float32) or mask broadcast over T
-  and S and padded likewise (empty when absent); the lengths, T and S where
-  absent, clipped to T and S (which masks the padded keys)."""
+  to Tp, S to Sp, H to Hp: a copy), key and value rows at or past the key
+  lengths zeroed in the same copy (they are never read: what they hold,
+  NaN included, cannot reach the output); a bias (float32) or mask with its
+  T and S dims padded likewise where they are not broadcast (size 1: the
+  kernel broadcasts them), empty when absent; the lengths, T and S where
+  absent, clipped to T and S."""
   B, T, N, H = q.shape
   S = k.shape[1]
   p = plan(q.shape, k.shape, q.dtype)
   dtype = operand_dtype(q.dtype)
   Tp, Sp, Hp = p["Tp"], p["Sp"], p["Hp"]
-  pad_rows = lambda x, rows: jnp.pad(x.astype(dtype),
-                                     ((0, 0), (0, rows - x.shape[1]), (0, 0), (0, Hp - H)))
+  q_lens = jnp.full((B,), T, jnp.int32) if q_lens is None else jnp.minimum(
+      q_lens.astype(jnp.int32), T)
+  if kv_lens is not None:
+    kv_lens = jnp.minimum(kv_lens.astype(jnp.int32), S)
+    live = jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None]
+    k, v = jnp.where(live, k, 0), jnp.where(live, v, 0)
+  kv_lens = jnp.full((B,), S, jnp.int32) if kv_lens is None else kv_lens
+  rows = lambda x, n: jnp.pad(x.astype(dtype), ((0, 0), (0, n - x.shape[1]), (0, 0), (0, Hp - H)))
 
-  def full_rows(x, dtype_, fill):
-    x = jnp.broadcast_to(x.astype(dtype_), x.shape[:2] + (T, S))
-    return jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, Sp - S)), constant_values=fill)
+  def tiles(x, dtype_, fill):
+    pad = [(0, 0), (0, 0)] + [(0, 0 if d == 1 else n - d) for d, n in zip(x.shape[2:], (Tp, Sp))]
+    return jnp.pad(x.astype(dtype_), pad, constant_values=fill)
 
-  lengths = lambda x, full: jnp.full((B,), full, jnp.int32) if x is None else jnp.minimum(
-      x.astype(jnp.int32), full)
-  return (pad_rows(q, Tp), pad_rows(k, Sp), pad_rows(v, Sp),
-          jnp.zeros((0,), jnp.float32) if bias is None else full_rows(bias, jnp.float32, 0),
-          jnp.zeros((0,), jnp.bool_) if mask is None else full_rows(mask, jnp.bool_, False),
-          lengths(q_lens, T), lengths(kv_lens, S)), p
+  return (rows(q, Tp), rows(k, Sp), rows(v, Sp),
+          jnp.zeros((0,), jnp.float32) if bias is None else tiles(bias, jnp.float32, 0),
+          jnp.zeros((0,), jnp.bool_) if mask is None else tiles(mask, jnp.bool_, False),
+          q_lens, kv_lens), p

@@ -12,9 +12,10 @@
 // Per work unit (b, n, Br query rows, one split of their key tiles):
 //   Cube:   S = Q K^T for a Br x Bc tile (L1 -> L0A/L0B -> L0C, fp32), to GM;
 //   Vector: in Bb-row slices (the second tiling level): scale, soft cap,
-//           bias, boolean mask and the index rules as an additive mask built
-//           from a column ramp and each row's key bounds (the tiling-mask:
-//           nothing of size T x S), online softmax; P (16-bit) to GM;
+//           bias; the visible keys from a column ramp against each row's key
+//           bounds (the tiling-mask: nothing of size T x S) and the boolean
+//           mask, selected (masked logits replaced, so a NaN or inf in a
+//           hidden key never enters); online softmax; P (16-bit) to GM;
 //   Cube:   P V (Br x Hp, fp32) to GM;
 //   Vector: acc = acc * alpha + P V per slice.
 // The next tile's Q K^T is issued before this tile's softmax (two S buffers
@@ -207,6 +208,69 @@ AICORE Slice slice_at(int64_t r0) {
 
 AICORE void set_row(RowVec& v, int r, float x) { v.data()[r * 8] = x; }
 
+// The bias operand's element (t, c) of this unit's (b, n): its strides are 0
+// along broadcast dims. A full bias is read as a Bb x Bc tile; one broadcast
+// over T as one row expanded down the slice, over S as one column expanded
+// across it, over both as a scalar (DMA takes no zero row stride).
+AICORE void add_bias(const FaAscendParams& p, const Unit& x, int64_t i, int64_t j0,
+                     Vec<float, Bb, Bc>& s, Vec<float, Bb, Bc>& tmp, RowVec& column) {
+  const float* bias = p.bias + x.b * p.bias_stride_b + x.n * p.bias_stride_n +
+                      i * p.bias_stride_t + j0 * p.bias_stride_s;
+  if (p.bias_stride_t && p.bias_stride_s) {
+    auto g = gm<float, Bb, Bc>(const_cast<float*>(bias), p.bias_stride_t);
+    TLOAD(tmp, g);
+    pipe<PIPE_MTE2, PIPE_V>();
+    TADD(s, s, tmp);
+  } else if (p.bias_stride_s) {
+    auto row = at<FloatRow>(kBuf.ub_index + 2 * Bc * 4);
+    auto g = gm<float, 1, Bc>(const_cast<float*>(bias), Bc);
+    TLOAD(row, g);
+    pipe<PIPE_MTE2, PIPE_V>();
+    TCOLEXPAND(tmp, row);
+    TADD(s, s, tmp);
+  } else if (p.bias_stride_t) {
+    auto g = gm<float, Bb, 1>(const_cast<float*>(bias), p.bias_stride_t);
+    TLOAD(column, g);
+    pipe<PIPE_MTE2, PIPE_V>();
+    TROWEXPANDADD(s, s, column);
+  } else {
+    TADDS(s, s, *bias);
+  }
+}
+
+// visible *= the mask operand (true: 1, false: 0), broadcast as the bias is.
+AICORE void and_mask(const FaAscendParams& p, const Unit& x, int64_t i, int64_t j0,
+                     Vec<float, Bb, Bc>& visible, Vec<float, Bb, Bc>& tmp, RowVec& column) {
+  const uint8_t* m = p.mask + x.b * p.mask_stride_b + x.n * p.mask_stride_n +
+                     i * p.mask_stride_t + j0 * p.mask_stride_s;
+  if (p.mask_stride_t && p.mask_stride_s) {
+    auto bytes = at<Vec<uint8_t, Bb, Bc>>(kBuf.ub_bool);
+    auto g = gm<uint8_t, Bb, Bc>(const_cast<uint8_t*>(m), p.mask_stride_t);
+    TLOAD(bytes, g);
+    pipe<PIPE_MTE2, PIPE_V>();
+    TCVT(tmp, bytes, RoundMode::CAST_NONE);
+    TMUL(visible, visible, tmp);
+  } else if (p.mask_stride_s) {
+    auto bytes = at<Tile<TileType::Vec, uint8_t, 1, Bc, BLayout::RowMajor, 1, Bc>>(kBuf.ub_bool);
+    auto row = at<FloatRow>(kBuf.ub_index + 2 * Bc * 4);
+    auto g = gm<uint8_t, 1, Bc>(const_cast<uint8_t*>(m), Bc);
+    TLOAD(bytes, g);
+    pipe<PIPE_MTE2, PIPE_V>();
+    TCVT(row, bytes, RoundMode::CAST_NONE);
+    TCOLEXPAND(tmp, row);
+    TMUL(visible, visible, tmp);
+  } else if (p.mask_stride_t) {
+    auto bytes = at<Tile<TileType::Vec, uint8_t, Bb, 32, BLayout::RowMajor, Bb, 1>>(kBuf.ub_bool);
+    auto g = gm<uint8_t, Bb, 1>(const_cast<uint8_t*>(m), p.mask_stride_t);
+    TLOAD(bytes, g);
+    pipe<PIPE_MTE2, PIPE_V>();
+    TCVT(column, bytes, RoundMode::CAST_NONE);
+    TROWEXPANDMUL(visible, visible, column);
+  } else {
+    TMULS(visible, visible, *m ? 1.0f : 0.0f);
+  }
+}
+
 // Online softmax of rows [i0 + r0, + Bb) against key tile j: S from the
 // workspace, P to it; updates the rows' max, sum and rescale factor.
 AICORE void vector_softmax(const FaAscendParams& p, const Unit& x, int64_t j, int64_t r0,
@@ -231,47 +295,42 @@ AICORE void vector_softmax(const FaAscendParams& p, const Unit& x, int64_t j, in
     TMULS(tmp, tmp, -2.0f * rules.softcap);
     TADDS(s, tmp, rules.softcap);
   }
-  if (p.bias) {
-    const float* bias = p.bias + x.b * p.bias_stride_b + x.n * p.bias_stride_n + i * p.Sp + j0;
-    auto gbias = gm<float, Bb, Bc>(const_cast<float*>(bias), p.Sp);
-    TLOAD(tmp, gbias);
-    pipe<PIPE_MTE2, PIPE_V>();
-    TADD(s, s, tmp);
-  }
-  if (p.mask) {  // false -> kFaAscendMasked, true -> 0
-    auto bytes = at<Vec<uint8_t, Bb, Bc>>(kBuf.ub_bool);
-    const uint8_t* m = p.mask + x.b * p.mask_stride_b + x.n * p.mask_stride_n + i * p.Sp + j0;
-    auto gmask = gm<uint8_t, Bb, Bc>(const_cast<uint8_t*>(m), p.Sp);
-    TLOAD(bytes, gmask);
-    pipe<PIPE_MTE2, PIPE_V>();
-    TCVT(mask, bytes, RoundMode::CAST_NONE);
-    TADDS(mask, mask, -1.0f);
-    TMULS(mask, mask, -kFaAscendMasked);
-    TADD(s, s, mask);
-  }
-  if (!fa_all_visible<int64_t>(rules, x.q_len, x.kv_len, i, i + Bb, j0, j0 + Bc)) {
-    // The tiling-mask: each row's key bounds [lo, hi) from the index rules
-    // (relative to j0), against the column ramp: visible iff
-    // clamp(hi - c, 0, 1) * clamp(c - lo + 1, 0, 1) = 1.
-    for (int k = 0; k < Bb; ++k) {
-      int64_t lo, hi;
-      fa_row_keys<int64_t>(rules, x.q_len, x.kv_len, i + k, &lo, &hi);
-      set_row(r.lo, k, static_cast<float>(lo - j0 < -1 ? -1 : lo - j0 > Bc ? Bc : lo - j0));
-      set_row(r.hi, k, static_cast<float>(hi - j0 < -1 ? -1 : hi - j0 > Bc + 1 ? Bc + 1 : hi - j0));
+  if (p.bias) add_bias(p, x, i, j0, s, tmp, r.t);
+  const bool partial = !fa_all_visible<int64_t>(rules, x.q_len, x.kv_len, i, i + Bb, j0, j0 + Bc);
+  if (partial || p.mask) {
+    // Visibility as 0 / 1 in `mask`: the index rules, then the mask operand.
+    if (partial) {
+      // The tiling-mask: each row's key bounds [lo, hi) from the index rules
+      // (relative to j0), against the column ramp: visible iff
+      // clamp(hi - c, 0, 1) * clamp(c - lo + 1, 0, 1) = 1.
+      for (int k = 0; k < Bb; ++k) {
+        int64_t lo, hi;
+        fa_row_keys<int64_t>(rules, x.q_len, x.kv_len, i + k, &lo, &hi);
+        set_row(r.lo, k, static_cast<float>(lo - j0 < -1 ? -1 : lo - j0 > Bc ? Bc : lo - j0));
+        set_row(r.hi, k,
+                static_cast<float>(hi - j0 < -1 ? -1 : hi - j0 > Bc + 1 ? Bc + 1 : hi - j0));
+      }
+      pipe<PIPE_S, PIPE_V>();
+      TROWEXPANDSUB(tmp, ramp, r.hi);  // c - hi
+      TMULS(tmp, tmp, -1.0f);
+      TMINS(tmp, tmp, 1.0f);
+      TMAXS(tmp, tmp, 0.0f);
+      TROWEXPANDSUB(mask, ramp, r.lo);  // c - lo
+      TADDS(mask, mask, 1.0f);
+      TMINS(mask, mask, 1.0f);
+      TMAXS(mask, mask, 0.0f);
+      TMUL(mask, mask, tmp);
+    } else {
+      TEXPANDS(mask, 1.0f);
     }
-    pipe<PIPE_S, PIPE_V>();
-    TROWEXPANDSUB(tmp, ramp, r.hi);  // c - hi
-    TMULS(tmp, tmp, -1.0f);
-    TMINS(tmp, tmp, 1.0f);
-    TMAXS(tmp, tmp, 0.0f);
-    TROWEXPANDSUB(mask, ramp, r.lo);  // c - lo
-    TADDS(mask, mask, 1.0f);
-    TMINS(mask, mask, 1.0f);
-    TMAXS(mask, mask, 0.0f);
-    TMUL(mask, mask, tmp);
-    TADDS(mask, mask, -1.0f);
-    TMULS(mask, mask, -kFaAscendMasked);
-    TADD(s, s, mask);
+    if (p.mask) and_mask(p, x, i, j0, mask, tmp, r.t);
+    // Select, not add: a masked logit is kFaAscendMasked even where the key
+    // row holds NaN or inf (keys hidden by a mask are never used).
+    auto bits = at<Tile<TileType::Vec, uint8_t, Bb, Bc, BLayout::RowMajor, Bb, Bc / 8>>(
+        kBuf.ub_bool);
+    TCMPS(bits, mask, 0.5f, CmpMode::GT);
+    TEXPANDS(tmp, kFaAscendMasked);
+    TSEL(s, bits, s, tmp, pe);
   }
   TROWMAX(r.mb, s, tmp);
   TMAX(r.mn, r.m, r.mb);

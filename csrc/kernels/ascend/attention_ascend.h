@@ -69,7 +69,9 @@ struct FaAscendBuffers {
   // rescale factor of all Br rows; then one slice's working set: S, a
   // temporary and the mask (Bb x Bc fp32), the column index ramp (Bb x Bc
   // fp32), P (Bb x Bc 16-bit), P V (Bb x Hp fp32), the mask operand's bytes
-  // (Bb x Bc), six Bb-row vectors and one Bc-column index row (int32, fp32).
+  // (Bb x Bc; then the visibility bits), six Bb-row vectors and three
+  // Bc-column rows (the index ramp as int32 and fp32, a broadcast bias or
+  // mask row).
   int64_t ub_acc, ub_m, ub_l, ub_alpha, ub_s, ub_tmp, ub_mask, ub_ramp, ub_p, ub_pv, ub_bool,
       ub_rows, ub_index, ub;
 };
@@ -105,7 +107,7 @@ constexpr FaAscendBuffers fa_ascend_buffers(const FaAscendTile& t) {
   b.ub_bool = b.ub_pv + t.bb * t.hp * 4;
   b.ub_rows = b.ub_bool + t.bb * t.bc;
   b.ub_index = b.ub_rows + 6 * t.bb * kFaAscendRowBytes;
-  b.ub = b.ub_index + 2 * t.bc * 4;
+  b.ub = b.ub_index + 3 * t.bc * 4;
   return b;
 }
 
@@ -158,9 +160,12 @@ struct FaAscendParams {
   const void* q;
   const void* k;
   const void* v;
-  const float* bias;     // (B|1, N|1, Tp, Sp) fp32, or null
-  const uint8_t* mask;   // (B|1, N|1, Tp, Sp) bool, or null
-  int64_t bias_stride_b, bias_stride_n, mask_stride_b, mask_stride_n;  // 0: broadcast
+  const float* bias;     // (B|1, N|1, Tp|1, Sp|1) fp32, or null
+  const uint8_t* mask;   // (B|1, N|1, Tp|1, Sp|1) bool, or null
+  // Element strides along b, n, t and s; 0 along a broadcast dim (the last
+  // two: only 0 or full, Sp and 1).
+  int64_t bias_stride_b, bias_stride_n, bias_stride_t, bias_stride_s;
+  int64_t mask_stride_b, mask_stride_n, mask_stride_t, mask_stride_s;
   const int32_t* q_lens;   // (B,)
   const int32_t* kv_lens;  // (B,)
   void* out;               // (B, Tp, N, Hp)
