@@ -310,6 +310,19 @@ def ref_atol(name: str = "float32", implementation=IMPL) -> float:
   return max(OUT_ATOL[name], OUT_ATOL[computed_dtype(implementation, name)] * 3)
 
 
+#: The grid every kernel path runs (``check_case``): GQA and causal, decode
+#: (T = 1), a negative scale, a window, soft cap with bias, mask with lengths.
+PATH_GRID = [
+    dict(B=2, T=97, S=130, N=4, K=2, H=64, opts=dict(is_causal=True)),
+    dict(B=1, T=1, S=1000, N=8, K=1, H=128, opts={}),
+    dict(B=2, T=80, S=80, N=2, K=1, H=128, opts=dict(scale=-0.15, is_causal=True)),
+    dict(B=3, T=64, S=64, N=2, K=2, H=40, opts=dict(local_window_size=(7, 3))),
+    dict(B=2, T=33, S=77, N=2, K=1, H=256, opts=dict(logits_soft_cap=5.0, bias=True)),
+    dict(B=2, T=70, S=90, N=3, K=3, H=96,
+         opts=dict(mask=True, query_seq_lengths=(70, 9), key_value_seq_lengths=(0, 41))),
+]
+
+
 def check_case(rng, case: dict, dtype: str, implementation):
   """``check_call`` on random inputs of a grid ``case``: B, T, S, N, K, H and
   ``opts`` (fast_attention's options; ``bias=True`` / ``mask=True`` ask for a

@@ -49,15 +49,7 @@ def test_default_path_on_gpu(rng):
 
 @pytest.mark.parametrize("implementation", CUDA_PATHS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("case", [
-    dict(B=2, T=97, S=130, N=4, K=2, H=64, opts=dict(is_causal=True)),
-    dict(B=1, T=1, S=1000, N=8, K=1, H=128, opts={}),
-    dict(B=2, T=80, S=80, N=2, K=1, H=128, opts=dict(scale=-0.15, is_causal=True)),
-    dict(B=3, T=64, S=64, N=2, K=2, H=40, opts=dict(local_window_size=(7, 3))),
-    dict(B=2, T=33, S=77, N=2, K=1, H=256, opts=dict(logits_soft_cap=5.0, bias=True)),
-    dict(B=2, T=70, S=90, N=3, K=3, H=96,
-         opts=dict(mask=True, query_seq_lengths=(70, 9), key_value_seq_lengths=(0, 41))),
-])
+@pytest.mark.parametrize("case", tu.PATH_GRID)
 def test_cuda_path(rng, implementation, dtype, case):
   _runnable(implementation)
   tu.check_case(rng, case, dtype, implementation)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import cuda, fast_attention
+from fastattn_jax import ascend, cuda, fast_attention
 
 CASES = {
     # Shapes off every plausible tile size, 3-D, head dim not a multiple of 8.
@@ -55,6 +55,10 @@ def test_every_output_element_is_written(name, rng, impl):
   dtype = tu.DTYPES[spec.pop("dtype", "float32")]
   B = spec.pop("B")
   with_mask = spec.pop("mask", False)
+  if impl in ascend.IMPLEMENTATIONS:
+    pytest.skip("the Ascend targets take operands padded to whole tiles, so the outputs here "
+                "are slices of the kernel's; test_ascend.py::test_outputs_fully_written "
+                "poisons the target's own outputs")
   if impl in cuda.IMPLEMENTATIONS:
     # The CUDA paths read rows of any multiple of 8 elements in place, but pad
     # other H and convert float32 (and, before sm_80, bfloat16) to float16

@@ -99,7 +99,10 @@ def test_sharded_forward(mesh, spec_name, extra, K, rng, impl):
   np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
   r64, _ = tu.reference64(plain["q"], plain["k"], plain["v"], plain["bias"], plain["mask"],
                           **plain_lens, **static)
-  np.testing.assert_allclose(out, r64, atol=1e-5)
+  # Paths that multiply float32 inputs in 16 bits are held to that dtype's error.
+  computed = tu.computed_dtype(impl, tu.dtype_name(plain["q"]))
+  np.testing.assert_allclose(out, r64, atol=1e-5 if computed == "float32"
+                             else 2 * tu.XLA_MAX_ERR[computed])
 
 
 def test_sharded_k_not_divisible_falls_back_correctly(mesh, rng, impl):
