@@ -135,9 +135,9 @@ inline const char* fa_ascend_overflow(const FaAscendTile& t, int64_t* used, int6
 // accumulator alone would take 128 KB of UB), fewer for short queries
 // (decode: T rounded up to 16); Bb = 32 rows per Vector slice (16 where Br
 // is an odd multiple of 16). At H = 128:
-// L1 128 KB of 512, L0A, L0B 64 KB and L0C 128 KB (all full), UB 175 KB of
+// L1 128 KB of 512, L0A, L0B 64 KB and L0C 128 KB (all full), UB 175.5 KB of
 // 192; at H = 256 (Br = Bc = 64): L1 104 KB, L0A 40 KB, L0B 64 KB, L0C
-// 80 KB, UB 146.5 KB.
+// 80 KB, UB 146.75 KB.
 inline FaAscendTile fa_ascend_tile(int64_t T, int64_t H, int64_t dtype) {
   FaAscendTile t{};
   t.hp = fa_ascend_round_up(H < 1 ? 1 : H, kFaAscendFractal);
