@@ -26,8 +26,9 @@ namespace ffi = xla::ffi;
 
 namespace fastattn::ascend {
 
-// The rule attributes every target takes (backends.rule_attrs) and the
-// kernel library built for the call's tile.
+// The rule attributes every target takes (backends.rule_attrs; CallAttrs'
+// first six: XLA FFI decodes one flat struct per handler) and the kernel
+// library built for the call's tile.
 struct AscendAttrs {
   float scale;
   float softcap;
@@ -117,8 +118,7 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
   p.out = out.untyped_data(), p.lse = lse.typed_data();
   p.B = d.B, p.Tp = d.T, p.Sp = d.S, p.N = d.N, p.K = d.K;
   p.splits = c->plan.splits, p.cores = c->plan.cores;
-  p.rules = fa_make_rules(attrs.scale, attrs.softcap, attrs.is_causal, attrs.end_aligned,
-                          attrs.window_left, attrs.window_right);
+  p.rules = RulesOf(attrs);
   c->bytes = OperandBytes{q.size_bytes(), k.size_bytes(), v.size_bytes(), bias.size_bytes(),
                           mask.size_bytes(), q_lens.size_bytes(), kv_lens.size_bytes(),
                           out.size_bytes(), lse.size_bytes(),

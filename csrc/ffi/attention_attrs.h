@@ -31,7 +31,10 @@ struct CallAttrs {
   int64_t fold_heads;  // CallPlan::fold_heads; 0 on the CPU
 };
 
-inline FaRules RulesOf(const CallAttrs& a) {
+// The rules of any attribute struct with the six rule fields (CallAttrs, the
+// Ascend targets' AscendAttrs).
+template <class Attrs>
+FaRules RulesOf(const Attrs& a) {
   return fa_make_rules(a.scale, a.softcap, a.is_causal, a.end_aligned, a.window_left,
                        a.window_right);
 }

@@ -31,6 +31,7 @@ Environment:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -196,19 +197,34 @@ def unavailable(implementation: str) -> str | None:
   return None
 
 
-def _toolchain(implementation: str) -> tuple[list[str], list[str]]:
-  """(compiler command, flags) that build ``implementation``'s library."""
+@functools.cache
+def _toolchain(implementation: str) -> tuple[list[str], list[str], str]:
+  """(compiler command, flags, the compiler's ``--version``) that build
+  ``implementation``'s library; looked up once per process (a miss raises,
+  and is looked up again next time)."""
   include = pto_include()
   if implementation == "ascend_sim":
     # {sources}: where the embedded sources are written (``_compile``);
     # their sim/ folder holds <stdfloat> for a C++ library without one.
-    return sim_compiler(), ["-std=c++23", "-O2", "-shared", "-fPIC", "-D__CPU_SIM",
-                            "-D__STDCPP_BFLOAT16_T__=1", "-isystem", "{sources}/ascend/sim",
-                            "-include", "stdint.h", "-include", "stddef.h", f"-I{include}"]
-  # A mixed Cube + Vector kernel for A2/A3 (dav-c220), as a shared library
-  # whose host function fa_ascend_launch launches it (csrc/ascend/acl_runtime.h).
-  return bisheng(), ["-xcce", "--cce-aicore-arch=dav-c220", "-O2", "-std=c++17", "-fPIC",
-                     "-shared", f"-I{include}"]
+    compiler = sim_compiler()
+    flags = ["-std=c++23", "-O2", "-shared", "-fPIC", "-D__CPU_SIM", "-D__STDCPP_BFLOAT16_T__=1",
+             "-isystem", "{sources}/ascend/sim", "-include", "stdint.h", "-include",
+             "stddef.h", f"-I{include}"]
+  else:
+    # A mixed Cube + Vector kernel for A2/A3 (dav-c220), as a shared library
+    # whose host function fa_ascend_launch launches it (csrc/ascend/acl_runtime.h).
+    compiler = bisheng()
+    flags = ["-xcce", "--cce-aicore-arch=dav-c220", "-O2", "-std=c++17", "-fPIC", "-shared",
+             f"-I{include}"]
+  version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+  return compiler, flags, version
+
+
+@functools.cache
+def _sources() -> tuple[dict, str]:
+  """The embedded kernel sources and their digest."""
+  sources = _ffi.ascend_sources()
+  return sources, hashlib.sha256(repr(sorted(sources.items())).encode()).hexdigest()
 
 
 # --- building --------------------------------------------------------------------
@@ -225,12 +241,11 @@ def library(implementation: str, plan_: dict) -> str:
     Unavailable: the toolchain is missing.
     RuntimeError: the compiler failed (its output in the message).
   """
-  compiler, flags = _toolchain(implementation)
+  compiler, flags, version = _toolchain(implementation)
   tile = [f"-DFA_BR={plan_['Br']}", f"-DFA_BC={plan_['Bc']}", f"-DFA_BB={plan_['Bb']}",
           f"-DFA_HP={plan_['Hp']}", f"-DFA_DTYPE={plan_['dtype']}"]
-  sources = _ffi.ascend_sources()
-  version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
-  digest = hashlib.sha256(repr((sorted(sources.items()), compiler[-1], version, flags,
+  sources, sources_digest = _sources()
+  digest = hashlib.sha256(repr((sources_digest, compiler[-1], version, flags,
                                 tile)).encode()).hexdigest()[:24]
   with _lock:
     if digest in _built:

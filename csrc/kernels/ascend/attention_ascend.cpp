@@ -112,9 +112,9 @@ AICORE void await(int flag, int times) {
   for (int i = 0; i < times; ++i) wait_flag_dev(flag);
 }
 #endif
-// Hand-off flags: S of buffer 0/1 ready (AIC -> AIV), P ready (AIV -> AIC),
-// P V ready (AIC -> AIV), P V consumed (AIV -> AIC).
-enum : int { kFlagS0 = 0, kFlagS1 = 1, kFlagP = 2, kFlagPv = 3, kFlagPvFree = 4 };
+// Hand-off flags: S of buffer b ready (kFlagS0 + b, AIC -> AIV), P ready
+// (AIV -> AIC), P V ready (AIC -> AIV), P V consumed (AIV -> AIC).
+enum : int { kFlagS0 = 0, kFlagP = 2, kFlagPv = 3, kFlagPvFree = 4 };
 
 struct Unit {
   int64_t b, n, kvh, i0, split;
