@@ -10,11 +10,18 @@
 #include "ascend/ascend_plan.h"
 #include "ascend/kernel_sources.h"
 #include "cuda/kernel_cache.h"
+#include "cuda/kernel_sources.h"
 #include "cuda/nvrtc.h"
 #include "cuda/variants.h"
 #include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
 #include "kernels/cpu/attention_cpu.h"
+
+// The build system that compiled this module ("cmake" or "bazel"), so that a
+// test can tell which of the two builds it is testing.
+#ifndef FASTATTN_BUILT_BY
+#error "the build defines FASTATTN_BUILT_BY"
+#endif
 
 namespace nb = nanobind;
 namespace cu = fastattn::cuda;
@@ -28,6 +35,12 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 nb::dict Dict(const fastattn::PlanFacts& facts) {
   nb::dict d;
   for (const auto& [name, value] : facts) d[name.c_str()] = value;
+  return d;
+}
+
+nb::dict SourcesDict(const std::vector<std::pair<std::string, std::string>>& sources) {
+  nb::dict d;
+  for (const auto& [name, text] : sources) d[name.c_str()] = text;
   return d;
 }
 
@@ -55,6 +68,7 @@ cu::KernelVariant CheckedVariant(int64_t key) {
 }  // namespace
 
 NB_MODULE(_ffi, m) {
+  m.attr("built_by") = FASTATTN_BUILT_BY;
   m.def("registrations", []() {
     nb::dict cpu, cuda, stages, targets;
     cpu["fastattn_attention_cpu"] = Capsule(AttentionCpu);
@@ -193,6 +207,8 @@ NB_MODULE(_ffi, m) {
 
   // --- CUDA kernels: compiling and caching --------------------------------------
 
+  m.def("cuda_sources", []() { return SourcesDict(cu::KernelSources()); },
+        "The CUDA kernels' sources embedded at build time: {file name: text}.");
   m.def("set_nvrtc_candidates", &cu::SetNvrtcCandidates, nb::arg("paths"),
         "libnvrtc paths or sonames to try, in order.");
   m.def("set_cache_dir", &cu::SetCacheDir, nb::arg("path"),
@@ -275,9 +291,6 @@ NB_MODULE(_ffi, m) {
         "How the Ascend kernel serves a call: tile, padded T and S, split-KV, workspace, and "
         "each buffer's offset and total (bytes); tile (Br, Bc, Bb, Hp) replaces the chosen "
         "one. ValueError if it cannot (head dim, heads, a buffer past its capacity).");
-  m.def("ascend_sources", []() {
-    nb::dict d;
-    for (const auto& [name, text] : fastattn::ascend::KernelSources()) d[name.c_str()] = text;
-    return d;
-  }, "The Ascend kernel's sources embedded at build time: {file name: text}.");
+  m.def("ascend_sources", []() { return SourcesDict(fastattn::ascend::KernelSources()); },
+        "The Ascend kernel's sources embedded at build time: {file name: text}.");
 }

@@ -1,12 +1,14 @@
 """Small helpers that the library and its examples and benchmarks share.
 
 ``median_seconds`` times JAX calls, ``host_cpu_device`` and ``sharding_of``
-name the host CPU device and place arrays, ``format_bytes`` prints sizes.
+name the host CPU device and place arrays, ``format_bytes`` prints sizes,
+``sources_digest`` names a set of embedded kernel sources.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import statistics
 import time
 from typing import Callable
@@ -72,3 +74,8 @@ def sharding_of(device, memory_kind: str | None = None):
 def format_bytes(nbytes: float) -> str:
   """Bytes in binary units with two decimals: "1.50 GiB", "3.00 MiB"."""
   return humanize.naturalsize(nbytes, binary=True, format="%.2f")
+
+
+def sources_digest(sources: dict[str, str]) -> str:
+  """SHA-256 hex of kernel sources {file name: text}, whatever their order."""
+  return hashlib.sha256(repr(sorted(sources.items())).encode()).hexdigest()

@@ -22,7 +22,7 @@ except ImportError as err:
       "fastattn_jax's native extension (fastattn_jax._ffi) is missing: install "
       "the package with `pip install .` (a source checkout on sys.path, e.g. "
       "the current directory, shadows the installed package)") from err
-from fastattn_jax import ascend, cuda, shapes
+from fastattn_jax import _util, ascend, cuda, shapes
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -58,6 +58,29 @@ def check_name(implementation: str) -> None:
     raise ValueError(
         f"implementation must be None or one of {implementations()}, got "
         f"{implementation!r}")
+
+
+def build_info() -> dict:
+  """Describes the loaded native extension, to tell builds apart or compare them.
+
+  The package's extension is built by CMake (``pip install``) or by Bazel
+  (``make bazel``, ``bazel/``); two builds of one checkout register the same
+  FFI targets and embed the same kernel sources.
+
+  Returns:
+    ``{"built_by": "cmake" or "bazel", "extension": the module's file path,
+    "ffi_targets": {platform: sorted target names}, "ffi_types": {platform:
+    sorted type names}, "kernel_sources": {"cuda" and "ascend": SHA-256 hex of
+    the embedded {file name: text}, file names sorted}}``.
+  """
+  return {
+      "built_by": _ffi.built_by,
+      "extension": _ffi.__file__,
+      "ffi_targets": {p: sorted(t) for p, t in _ffi.registrations().items()},
+      "ffi_types": {p: sorted(t) for p, t in _ffi.types().items()},
+      "kernel_sources": {"cuda": _util.sources_digest(_ffi.cuda_sources()),
+                         "ascend": _util.sources_digest(_ffi.ascend_sources())},
+  }
 
 
 def default_path(platform: str, dtype=None, head_dim: int | None = None) -> str:

@@ -1,6 +1,7 @@
 // The Ascend kernel's sources (csrc/kernels/ascend/ and the shared index
-// rules), embedded into the extension at build time (CMakeLists.txt generates
-// ascend_kernel_sources.cc); fastattn_jax.ascend writes them out to compile.
+// rules), embedded into the extension at build time (csrc/embed_sources.py
+// writes ascend_kernel_sources.cc); fastattn_jax.ascend writes them out to
+// compile.
 #pragma once
 
 #include <string>

@@ -1,6 +1,7 @@
-// The CUDA kernel sources (csrc/kernels/cuda/*.cu and *.cuh), embedded into
-// the extension at build time (CMakeLists.txt generates kernel_sources.cc),
-// so the sources that compile are always those the package was built with.
+// The CUDA kernel sources (csrc/kernels/cuda/*.cu and *.cuh and the shared
+// headers), embedded into the extension at build time (csrc/embed_sources.py
+// writes kernel_sources.cc), so the sources that compile are always those the
+// package was built with.
 #pragma once
 
 #include <string>

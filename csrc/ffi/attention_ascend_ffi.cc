@@ -178,7 +178,7 @@ bool SameTile(const FaAscendTile& a, const FaAscendTile& b) {
 // another on this thread (each host thread is a simulated AI core), then the
 // split-KV merge.
 ffi::Error RunSim(const AscendAttrs& attrs, Call& c) {
-  const SimLibrary* lib;
+  const SimLibrary* lib = nullptr;
   if (auto err = LoadSim(attrs.library, &lib); err.failure()) return err;
   if (!SameTile(lib->tile, c.plan.tile)) {
     return ffi::Error::InvalidArgument(std::string(attrs.library) +

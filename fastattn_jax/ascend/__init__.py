@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import _ffi, cuda
+from fastattn_jax import _ffi, _util, cuda
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -224,7 +224,7 @@ def _toolchain(implementation: str) -> tuple[list[str], list[str], str]:
 def _sources() -> tuple[dict, str]:
   """The embedded kernel sources and their digest."""
   sources = _ffi.ascend_sources()
-  return sources, hashlib.sha256(repr(sorted(sources.items())).encode()).hexdigest()
+  return sources, _util.sources_digest(sources)
 
 
 # --- building --------------------------------------------------------------------
