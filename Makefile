@@ -5,10 +5,16 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# A Python with .venv's packages that imports fastattn_jax from this checkout,
+# not from pip's editable install: it loads the Bazel-built extension.
+BAZEL_VENV := .venv-bazel
+# Bazel: the one on PATH, else Debian's bazel-bootstrap (4.2.3), which needs
+# apt-get and root.
+CAN_BAZEL := $(shell command -v bazel >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; } && echo yes)
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench bazel bazel-test clean
 
-$(VENV)/.installed-%: pyproject.toml CMakeLists.txt $(shell find csrc fastattn_jax -type f -not -name '*.pyc' 2>/dev/null)
+$(VENV)/.installed-%: pyproject.toml CMakeLists.txt $(shell find csrc fastattn_jax -type f -not -name '*.pyc' -not -name '*.so' 2>/dev/null)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$*]"
@@ -21,9 +27,35 @@ demo: $(VENV)/.installed-demo
 test: $(VENV)/.installed-test
 	$(PY) -m fastattn_jax.ascend fetch || echo "no PTO-ISA headers: the ascend_sim tests skip"
 	$(VENV)/bin/pytest -n 2 --slow --nbmake tests notebooks
+	$(MAKE) bazel-test
 
 bench: $(VENV)/.installed-test
 	$(PY) -m benchmarks.bench
 
+# The extension built by Bazel (bazel/) instead of CMake, offline, copied into
+# fastattn_jax/ where a Python that imports the package from this checkout
+# finds it ($(BAZEL_VENV)/bin/python, a Bazel py_library, PYTHONPATH=.).
+bazel: $(VENV)/.installed-test
+	command -v bazel >/dev/null || apt-get install -y -q --no-install-recommends bazel-bootstrap \
+	  || { apt-get update -q && apt-get install -y -q --no-install-recommends bazel-bootstrap; }
+	cd bazel && PYTHON_BIN_PATH=$(abspath $(PY)) bazel build //:extension
+	cp -f "$$(cd bazel && bazel info bazel-bin 2>/dev/null)"/fastattn_jax/_ffi*.so fastattn_jax/
+	cd bazel && bazel shutdown
+	test -d $(BAZEL_VENV) || { $(PYTHON) -m venv --without-pip $(BAZEL_VENV) \
+	  && $(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
+	  > "$$($(BAZEL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/venv-packages.pth"; }
+
+# The CPU numerics and the build checks against the Bazel-built extension,
+# compared with the CMake build that .venv imports.
+bazel-test:
+ifeq ($(CAN_BAZEL),yes)
+	$(MAKE) bazel
+	mkdir -p build && $(PY) -m fastattn_jax > build/cmake-build.json
+	FASTATTN_TEST_BUILD=build/cmake-build.json $(BAZEL_VENV)/bin/python -m pytest -n 2 --slow \
+	  tests/test_build.py tests/test_numerics.py
+else
+	@echo "skipped the Bazel build: no bazel on PATH, and no apt-get with root to install Debian's bazel-bootstrap"
+endif
+
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(BAZEL_VENV) build fastattn_jax/_ffi*.so
