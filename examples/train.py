@@ -2,7 +2,7 @@
 
 Run ``python -m examples.train [--steps 200] [--batch 4] [--seq 512]``.
 
-The model is :mod:`examples.llama`'s ``tiny`` preset (4 layers, width 256, 8
+The model is :mod:`fastattn_jax.models.llama`'s ``tiny`` preset (4 layers, width 256, 8
 query heads sharing 2 key/value heads of head dim 32) in float32, reading
 bytes (a 256-token vocabulary). The text is real English prose that every
 Python installation carries: the Python language reference's topics as
@@ -42,7 +42,7 @@ import numpy as np
 import optax
 import pydoc_data.topics
 
-from examples import llama
+from fastattn_jax.models import llama
 from fastattn_jax import fast_attention, resolve_implementation
 
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples import generate, llama
+from fastattn_jax import generate
+from fastattn_jax.models import llama
 from fastattn_jax import offload
 from fastattn_jax._util import host_cpu_device
 from fastattn_jax.decode import KVCache
@@ -163,7 +164,7 @@ def test_command_line_offload_modes_agree(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--context", "70000"], r"--context 70000 \+ --new-tokens 32 exceeds the max_context"),
-    (["--new-tokens", "1"], "--new-tokens must be at least 2"),
+    (["--new-tokens", "1"], "--new-tokens must be at least 3"),
     (["--context", "8", "--prompt-len", "9"], "--prompt-len 9 exceeds --context 8"),
     (["--offload", "none", "--host-layers", "1"], "--host-layers needs --offload stream or host"),
     (["--offload", "host", "--host-layers", "5"], r"--host-layers must be in \[0, 4\]"),

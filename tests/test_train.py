@@ -6,7 +6,8 @@ import functools
 import jax
 import numpy as np
 
-from examples import llama, train
+from examples import train
+from fastattn_jax.models import llama
 from fastattn_jax import fast_attention
 
 

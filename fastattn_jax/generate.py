@@ -1,10 +1,21 @@
-"""Greedy decoding with a Llama-style decoder over a long KV cache, with host offload.
+"""Text generation with a Llama-architecture decoder: a real model, or random weights over a long KV cache.
 
-Run ``python -m examples.generate --preset llama3-8b --context 524288``
-(``--help`` lists the options). The example and benchmark of
+A real model (``--model``): ``python -m fastattn_jax.generate --model smollm2
+--prompt "The capital of France is" [--prompt ...] [--chat] --new-tokens 32``
+loads a GGUF file (``fastattn_jax.models.gguf``; ``smollm2`` is the packaged
+SmolLM2-135M-Instruct), tokenizes the prompts (``--chat``: in the model's chat
+template), prefills them as one right-padded batch with ``fast_attention``,
+then decodes over a ``KVCache`` (``llama.generate``: greedy, or sampled with
+``--temperature`` and ``--top-p``), streaming the first prompt's text as it
+is produced, until end-of-sequence or ``--new-tokens``. It reports prefill
+and decode tokens/s and the attention path, and writes ``tokens`` (the new ids
+per prompt) and ``text`` to ``DIR/results.json`` with ``--out DIR``.
+
+Random weights (``--preset``, the default): ``python -m fastattn_jax.generate
+--preset llama3-8b --context 524288``, the example and benchmark of
 ``fastattn_jax.offload``:
 
-1. random weights of the preset (``examples.llama``: Llama-2-7B or
+1. random weights of the preset (``fastattn_jax.models.llama``: Llama-2-7B or
    Llama-3-8B shapes, or ``tiny``) are created on the device;
 2. the rates of the machine are measured (``offload.measure_rates``) and the
    KV cache is planned (``offload.plan_offload``) within the device memory
@@ -14,10 +25,11 @@ Run ``python -m examples.generate --preset llama3-8b --context 524288``
    positions: the prompt's keys and values, then random ones (generated on
    the device one layer at a time, host-resident layers moved to host memory
    layer by layer), which stands in for a long prefill;
-4. ``--new-tokens`` tokens are decoded greedily with ``decode_attention``
-   over the cache (``llama.decode_step``: one jitted call per step when the
-   whole cache is on the device, the offload scheduler otherwise); the first
-   step warms up (compiles) and is not timed.
+4. ``--new-tokens`` tokens are generated greedily: the first from the
+   prefill, the others by decode steps with ``decode_attention`` over the
+   cache (``llama.decode_step``: one jitted call per step when the whole
+   cache is on the device, the offload scheduler otherwise); the first step
+   warms up (compiles) and is not timed.
 
 It prints and (with ``--out DIR``) writes to ``DIR/results.json``: decode
 tokens/s and per-token latency, device memory in use
@@ -39,12 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from examples import llama
-from fastattn_jax import offload
+from fastattn_jax import offload, resolve_implementation
 from fastattn_jax._util import format_bytes, host_cpu_device
+from fastattn_jax.models import gguf, llama
 
 #: How the program is run, for its usage line and error messages.
-PROG = "python -m examples.generate"
+PROG = "python -m fastattn_jax.generate"
 #: Device memory kept free beyond the plan (activations, logits, kernel
 #: workspace), on top of one layer's KV for the fill's transient buffers.
 DEVICE_MARGIN_BYTES = 3 << 29
@@ -74,10 +86,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """Parses the command line (see ``--help``); exits with status 2 on malformed values."""
   parser = argparse.ArgumentParser(prog=PROG,
                                    description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", default="tiny", choices=sorted(llama.PRESETS),
-                      help="model shape (default: tiny)")
+  source = parser.add_mutually_exclusive_group()
+  source.add_argument("--model", default=None,
+                      help=f"a real model: {' or '.join(sorted(gguf.PACKAGED))} (packaged) or "
+                           "the path of a Llama-architecture GGUF file")
+  source.add_argument("--preset", default="tiny", choices=sorted(llama.PRESETS),
+                      help="random weights of this shape (default: tiny)")
   parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                      help="weights, activations and KV cache (default: the preset's, bfloat16)")
+                      help="weights, activations and KV cache (default: float32 with --model, "
+                           "the preset's bfloat16 otherwise)")
+  parser.add_argument("--prompt", action="append", default=None,
+                      help="with --model: a prompt; repeat for a batch")
+  parser.add_argument("--chat", action="store_true",
+                      help="with --model: each prompt as a user turn in the model's chat template")
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="with --model: sampling temperature; 0 is greedy (default: 0)")
+  parser.add_argument("--top-p", type=float, default=1.0,
+                      help="with --model: nucleus sampling's probability mass (default: 1)")
   parser.add_argument("--context", type=_context, default=4096,
                       help="cache positions before decoding, prompt included (tokens), or "
                            "'max': the longest that fits the budgets in the --offload mode "
@@ -86,7 +111,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="prompt tokens prefilled with fast_attention; the rest of the "
                            "context is random keys and values (default: min(16, context))")
   parser.add_argument("--new-tokens", type=_positive_int, default=32,
-                      help="tokens to decode, the first one a warm-up (default: 32, at least 2)")
+                      help="tokens to generate per prompt, the first from the prefill (default: "
+                           "32; with --preset at least 3: the first decode step is a warm-up)")
   parser.add_argument("--batch", type=_positive_int, default=1, help="sequences B (default: 1)")
   parser.add_argument("--offload", default="auto", choices=("auto", *offload.MODES),
                       help="where host-resident layers' attention runs: auto (the planner "
@@ -100,12 +126,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--host-memory-gb", type=_gib_arg, default=None,
                       help="host memory the offloaded KV cache may take, GiB; default: 90%% "
                            "of the available host memory")
-  parser.add_argument("--seed", type=int, default=0, help="weights, prompt and cache fill")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="weights, prompt and cache fill (--preset); sampling (--model)")
   parser.add_argument("--implementation", default=None,
                       help="attention path, as in fast_attention (default: automatic)")
   parser.add_argument("--out", default=None, help="folder to write results.json into")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  # Options of one kind of run only: given to the other, they are an error.
+  preset_only = ("context", "prompt_len", "batch", "offload", "host_layers", "device_memory_gb",
+                 "host_memory_gb")
+  model_only = ("prompt", "chat", "temperature", "top_p")
+  wrong = [name for name in (preset_only if args.model else model_only)
+           if getattr(args, name) != parser.get_default(name)]
+  if wrong:
+    parser.error(f"--{wrong[0].replace('_', '-')} applies only "
+                 f"{'to --preset runs' if args.model else 'with --model'}")
+  if args.model and not args.prompt:
+    parser.error("--model needs at least one --prompt")
+  if not (args.temperature >= 0 and 0 < args.top_p <= 1):
+    parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} "
+                 f"and {args.top_p}")
+  return args
 
 
 def _budgets(args, config, device):
@@ -143,9 +185,9 @@ def _budgets(args, config, device):
 
 def _check_args(args, config):
   """Raises ValueError naming the argument for values that cannot run with ``config``."""
-  if args.new_tokens < 2:
-    raise ValueError(f"--new-tokens must be at least 2 (one warm-up step, then timed steps), "
-                     f"got {args.new_tokens}")
+  if args.new_tokens < 3:
+    raise ValueError(f"--new-tokens must be at least 3 (the prefill's token, a warm-up step, "
+                     f"then timed steps), got {args.new_tokens}")
   if args.context != "max":
     if args.context + args.new_tokens > config.max_context:
       raise ValueError(
@@ -235,22 +277,36 @@ def _plan_json(plan: offload.OffloadPlan) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  """Runs the example; see the module docstring and ``--help``.
+  """Runs the program; see the module docstring and ``--help``.
 
   Returns:
-    The results (also printed, and written to ``--out``/results.json):
-    ``tokens`` (B, new_tokens) generated ids, ``tokens_per_s`` (decode,
-    after the warm-up step, all B sequences), ``step_ms`` (mean, p50, p90 of
-    a decode step), ``plan``, ``rates``, ``memory`` (bytes) and ``timings_s``.
+    The results (also printed, and written to ``--out``/results.json).
+    With ``--model``: ``tokens`` (per prompt, the new ids, ending at the
+    end-of-sequence id if produced), ``text`` (their decoded text, without
+    that end-of-sequence token),
+    ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` (after the warm-up
+    step, all prompts), ``step_ms``, ``implementation`` (the attention path)
+    and ``timings_s``. With ``--preset``: ``tokens`` (B, new_tokens)
+    generated ids, ``tokens_per_s`` (decode, after the warm-up step, all B
+    sequences), ``step_ms`` (mean, p50, p90 of a decode step), ``plan``,
+    ``rates``, ``memory`` (bytes) and ``timings_s``.
 
   Raises:
-    SystemExit: malformed arguments (argparse, status 2); values that cannot
-      run together, e.g. a context past the preset's ``max_context`` (status
-      1, the message names the arguments and their values); a KV cache that
-      does not fit the budgets (status 1, the message says what would fit:
-      the device budget, the host memory, the longest context).
+    SystemExit: malformed arguments (argparse, status 2), e.g. an option of
+      the other kind of run; a model that cannot be loaded (status 1, the
+      message says why: not installed, not a GGUF file, an unsupported
+      architecture or tensor type); values that cannot run together, e.g. a
+      context past the preset's ``max_context`` (status 1, the message names
+      the arguments and their values); a KV cache that does not fit the
+      budgets (status 1, the message says what would fit: the device budget,
+      the host memory, the longest context).
   """
   args = parse_args(argv)
+  if args.model:
+    try:
+      return _run_model(args)
+    except ValueError as err:  # gguf.GGUFError and llama.generate's checks
+      raise SystemExit(f"{PROG}: error: {err}") from None
   config = llama.preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
   try:
     _check_args(args, config)
@@ -338,9 +394,9 @@ def _run(args, config: llama.LlamaConfig) -> dict:
 
   tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)  # (B, 1)
   del logits
-  generated = []
+  generated = [np.asarray(tokens)]
   step_s = []
-  bar = tqdm(range(args.new_tokens), desc="decoding", unit="tok", disable=args.no_progress)
+  bar = tqdm(range(args.new_tokens - 1), desc="decoding", unit="tok", disable=args.no_progress)
   for i in bar:
     start = time.perf_counter()
     logits, cache = llama.decode_step(params, cache, tokens, config=config,
@@ -374,13 +430,88 @@ def _run(args, config: llama.LlamaConfig) -> dict:
       "tokens": np.concatenate(generated, axis=1).tolist(),
   }
   _print_results(results)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "results.json")
+  _write(args.out, results)
+  return results
+
+
+class _Stream:
+  """Prints one prompt's text as its tokens come (whole characters only:
+  a byte-level token may end inside a UTF-8 sequence)."""
+
+  def __init__(self, model: gguf.Model, row: int):
+    self.model, self.row, self.ids, self.shown = model, row, [], ""
+
+  def __call__(self, tokens, active):
+    if not active[self.row] or tokens[self.row] == self.model.eos_id:
+      return
+    self.ids.append(int(tokens[self.row]))
+    text = self.model.decode(self.ids)
+    if not text.endswith("\ufffd"):
+      print(text[len(self.shown):], end="", flush=True)
+      self.shown = text
+
+
+def _run_model(args) -> dict:
+  device = jax.devices()[0]
+  timings = {}
+  start = time.perf_counter()
+  model = gguf.load(args.model, dtype=args.dtype or "float32", device=device)
+  timings["load"] = time.perf_counter() - start
+  config = model.config
+  path = resolve_implementation(args.implementation, dtype=config.dtype,
+                                head_dim=config.head_dim)
+  print(f"{config.name}: {config.num_layers} layers, D={config.d_model}, N={config.num_heads}, "
+        f"K={config.num_kv_heads}, H={config.head_dim}, V={config.vocab_size}, {config.dtype}, "
+        f"loaded in {timings['load']:.1f} s on {device}; attention: {path}")
+  prompts = [model.encode(text, chat=args.chat) for text in args.prompt]
+  print(f"prompt 0 ({len(prompts[0])} tokens): {args.prompt[0]}", flush=True)
+  gen = llama.generate(model.params, prompts, config=config, new_tokens=args.new_tokens,
+                       eos_id=model.eos_id, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed, implementation=args.implementation,
+                       on_tokens=_Stream(model, 0))
+  print(flush=True)
+  timings.update(prefill_compile=gen.prefill_compile_s, prefill=gen.prefill_s)
+  # Decode step j produces token j + 1 of the prompts still generating; the
+  # first step (compiling) is not timed.
+  timed = gen.step_s[1:]
+  timed_tokens = sum(max(len(t) - 2, 0) for t in gen.tokens)
+  if gen.step_s:
+    timings["warmup_step"] = gen.step_s[0]
+  timings["decode"] = float(sum(timed))
+  step_ms = np.asarray(timed) * 1e3
+  results = {
+      "model": gguf.model_path(args.model), "name": config.name, "dtype": config.dtype,
+      "device": str(device), "device_kind": device.device_kind, "jax_version": jax.__version__,
+      "implementation": path, "chat": args.chat, "temperature": args.temperature,
+      "top_p": args.top_p, "seed": args.seed, "prompts": args.prompt,
+      "prompt_tokens": [len(p) for p in prompts],
+      "prefill_tokens_per_s": sum(len(p) for p in prompts) / gen.prefill_s,
+      "decode_tokens_per_s": timed_tokens / sum(timed) if timed else None,
+      "step_ms": ({"mean": float(step_ms.mean()), "p50": float(np.percentile(step_ms, 50)),
+                   "p90": float(np.percentile(step_ms, 90))} if timed else None),
+      "timings_s": timings,
+      "tokens": gen.tokens,
+      "text": [model.decode(t[:-1] if t and t[-1] == model.eos_id else t) for t in gen.tokens],
+  }
+  for i, (prompt, text) in enumerate(zip(args.prompt, results["text"])):
+    print(f"[{i}] {prompt!r} -> {text!r}")
+  decode = ("no timed decode step" if results["decode_tokens_per_s"] is None else
+            f"decode {results['decode_tokens_per_s']:.1f} tokens/s (B={len(prompts)}, "
+            f"step p50 {results['step_ms']['p50']:.1f} ms)")
+  print(f"prefill {results['prefill_tokens_per_s']:.1f} tokens/s "
+        f"({sum(results['prompt_tokens'])} tokens, compiled in {gen.prefill_compile_s:.1f} s); "
+        f"{decode}; attention: {path}", flush=True)
+  _write(args.out, results)
+  return results
+
+
+def _write(out: str | None, results: dict) -> None:
+  if out:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "results.json")
     with open(path, "w") as f:
       json.dump(results, f, indent=2)
     print(f"wrote {path}")
-  return results
 
 
 def _print_results(r: dict) -> None:

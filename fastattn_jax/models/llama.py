@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -389,3 +390,132 @@ def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, token
         f"K={config.num_kv_heads}, H={config.head_dim})")
   return offload.decode_step(decoder(config), params["layers"], _top(params), cache, tokens,
                              implementation=implementation)
+
+
+# --- generation ----------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def sample(logits, key, *, temperature: float = 0.0, top_p: float = 1.0):
+  """The next token of each row of ``logits`` (B, V): greedy (``temperature``
+  0), else drawn from softmax(logits / temperature) restricted to the
+  smallest set of most likely tokens whose probability reaches ``top_p``
+  (nucleus sampling; Holtzman et al. 2020, "The Curious Case of Neural Text
+  Degeneration"). Returns (B,) int32."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  probs = jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+  order = jnp.argsort(-probs, axis=-1)
+  sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+  # A token stays if the ones before it have not reached top_p (the first always does).
+  keep = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
+  choice = jax.random.categorical(key, jnp.where(keep, jnp.log(sorted_probs), -jnp.inf))
+  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """What ``generate`` produced and how long it took.
+
+  Attributes:
+    tokens: per prompt, the new token ids, ending with the end-of-sequence
+      id where the model produced it.
+    prefill_compile_s: compiling the prefill (seconds).
+    prefill_s: running it over the padded batch.
+    step_s: each decode step's seconds (the first one compiles: a warm-up).
+  """
+
+  tokens: list
+  prefill_compile_s: float
+  prefill_s: float
+  step_s: list
+
+
+def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
+             eos_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, implementation=None, on_tokens=None) -> Generation:
+  """Continues prompts of different lengths: one prefill with
+  ``fast_attention``, then decode steps over a ``KVCache``.
+
+  The prompts are right-padded to the longest, P; causal attention keeps a
+  prompt's positions blind to its padding, the cache's ``lengths`` start at
+  each prompt's length, and each decode step writes at ``lengths`` (over the
+  padding) and attends within them. The first new token comes from the
+  prefill's logits at each prompt's last position.
+
+  Args:
+    params: weights of ``config`` on the device.
+    prompts: B sequences of token ids in [0, V), each non-empty.
+    config: the model shape.
+    new_tokens: tokens to generate per prompt (at most; fewer after ``eos_id``).
+    eos_id: the end-of-sequence id; a prompt stops after producing it.
+    temperature, top_p: ``sample``'s (temperature 0: greedy).
+    seed: the sampling key's seed.
+    implementation: the attention path, as in ``fast_attention``.
+    on_tokens: called after each step as ``on_tokens(tokens, active)`` with
+      the step's ids (B,) and which prompts were still generating (B,) bool,
+      as numpy arrays (e.g. to stream text).
+
+  Returns:
+    A ``Generation``.
+
+  Raises:
+    ValueError: an empty prompt, an id outside [0, V), ``new_tokens`` < 1,
+      or a prompt plus ``new_tokens`` past ``config.max_context``.
+  """
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  if not len(prompts) or lengths.min() < 1:
+    raise ValueError(f"generate: every prompt needs a token, got lengths {lengths.tolist()}")
+  if new_tokens < 1:
+    raise ValueError(f"generate: new_tokens must be positive, got {new_tokens}")
+  if lengths.max() + new_tokens > config.max_context:
+    raise ValueError(f"generate: a prompt of {lengths.max()} tokens + {new_tokens} new ones "
+                     f"exceeds the model's context, {config.max_context}")
+  B, P = len(prompts), int(lengths.max())
+  tokens = np.zeros((B, P), np.int32)
+  for b, prompt in enumerate(prompts):
+    ids = np.asarray(prompt)
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+      raise ValueError(f"generate: prompt {b} has ids outside [0, {config.vocab_size})")
+    tokens[b, :len(ids)] = ids
+
+  start = time.perf_counter()
+  compiled = prefill.lower(params, tokens, config=config,
+                           implementation=implementation).compile()
+  prefill_compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  logits, k, v = jax.block_until_ready(compiled(params, tokens))
+  prefill_s = time.perf_counter() - start
+
+  pad = ((0, 0), (0, new_tokens), (0, 0), (0, 0))
+  # Lengths placed (committed) where the cache is, as every step returns
+  # them: else the second step compiles again for the new placement.
+  cache = KVCache(k=tuple(jnp.pad(k[layer], pad) for layer in range(config.num_layers)),
+                  v=tuple(jnp.pad(v[layer], pad) for layer in range(config.num_layers)),
+                  lengths=jax.device_put(lengths, k.sharding))
+  del k, v
+  key = jax.random.key(seed)
+  last = logits[jnp.arange(B), jnp.asarray(lengths) - 1]
+  next_ids = sample(last, jax.random.fold_in(key, 0), temperature=temperature, top_p=top_p)
+  del logits
+  out = [[] for _ in range(B)]
+  active = np.ones(B, bool)
+  step_s = []
+  for step in range(new_tokens):
+    ids = np.asarray(next_ids)
+    for b in np.flatnonzero(active):
+      out[b].append(int(ids[b]))
+    if on_tokens is not None:
+      on_tokens(ids, active.copy())
+    if eos_id is not None:
+      active &= ids != eos_id
+    if step == new_tokens - 1 or not active.any():
+      break
+    start = time.perf_counter()
+    logits, cache = decode_step(params, cache, jnp.asarray(ids)[:, None], config=config,
+                                implementation=implementation)
+    next_ids = sample(logits[:, 0], jax.random.fold_in(key, step + 1), temperature=temperature,
+                      top_p=top_p)
+    next_ids.block_until_ready()
+    step_s.append(time.perf_counter() - start)
+  return Generation(tokens=out, prefill_compile_s=prefill_compile_s, prefill_s=prefill_s,
+                    step_s=step_s)
