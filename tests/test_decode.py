@@ -393,6 +393,18 @@ def test_write_past_the_end_raises():
   jax.block_until_ready(jax.jit(lambda c: c.advance(2).lengths)(cache))
 
 
+def test_check_room_on_the_host():
+  """check_room reads the lengths before a step; traced lengths it leaves to advance."""
+  k = jnp.zeros((2, 16, 1, 8))
+  cache = KVCache(k=(k,), v=(k,), lengths=jnp.array([2, 14], jnp.int32))
+  assert cache.check_room(2)
+  with pytest.raises(ValueError, match=r"KV cache overflow.*S_max=16"):
+    cache.check_room(3)
+  answers = []
+  jax.jit(lambda c: answers.append(c.check_room(3)) or c.lengths)(cache)
+  assert answers == [False]
+
+
 def test_bad_shapes_name_the_argument():
   k = jnp.zeros((2, 16, 2, 8))
   q = jnp.zeros((2, 1, 4, 8))

@@ -41,6 +41,14 @@ def smollm2():
   return gguf.load("smollm2")
 
 
+@pytest.fixture(autouse=True)
+def float32_products():
+  """float32 products in float32: on GPUs JAX's default precision multiplies
+  float32 matrices in TF32, 1e-2 away from transformers' float32 logits."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _prompt_ids():
   return [p["ids"] for p in REFERENCE["prompts"]]
 

@@ -59,14 +59,16 @@ def _positions(lengths, T):
 
 
 @functools.partial(jax.jit, static_argnames=("decoder", "slots", "embed", "head", "advance",
-                                             "implementation"), donate_argnames=("cache",))
+                                             "checked", "implementation"),
+                   donate_argnames=("cache",))
 def _device_layers(layer_params, top, x, cache: KVCache, *, decoder, slots, embed, head, advance,
-                   implementation):
+                   checked, implementation):
   """Consecutive layers whose caches are in ``cache`` (slot i of ``cache`` per layer), jitted.
 
   ``x`` is tokens (B, T) when ``embed``, else the residual stream (B, T, D);
   returns logits (B, T, V) when ``head``, else the residual stream, and the
-  updated cache (lengths grown by T when ``advance``).
+  updated cache (lengths grown by T when ``advance``; ``checked``: the room
+  was checked before the step, so ``advance`` needs no host callback).
   """
   if embed:
     x = decoder.embed(top, x)
@@ -76,7 +78,7 @@ def _device_layers(layer_params, top, x, cache: KVCache, *, decoder, slots, embe
     attn, cache = cache.attend(slot, q, k, v, implementation=implementation)
     x = decoder.attention_output(p, x, attn)
   if advance:
-    cache = cache.advance(x.shape[1])
+    cache = cache.advance(x.shape[1], check=not checked)
   return (decoder.head(top, x) if head else x), cache
 
 
@@ -122,18 +124,19 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
 
   Raises:
     ValueError: a cache of another number of layers than ``layer_params``,
-      or positions past the cache's ``max_len`` (for a ``KVCache`` under jit
-      as ``KVCache.advance`` reports it).
+      or positions past the cache's ``max_len`` (checked on the host before
+      the step, ``check_room``; for a ``KVCache`` whose lengths are traced,
+      inside a caller's jit, as ``KVCache.advance`` reports it).
   """
   L = len(layer_params)
   if cache.num_layers != L:
     raise ValueError(f"decode_step: a KV cache of {cache.num_layers} layers for {L} layers of "
                      f"parameters")
+  T = tokens.shape[1]
   if isinstance(cache, KVCache):
     return _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
                           slots=tuple(range(L)), embed=True, head=True, advance=True,
-                          implementation=implementation)
-  T = tokens.shape[1]
+                          checked=cache.check_room(T), implementation=implementation)
   cache.check_room(T)
   x, layer = tokens, 0
   while layer < L:
@@ -151,7 +154,7 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
       x, device = _device_layers(
           tuple(layer_params[layer:end]), top, x, cache.device, decoder=decoder,
           slots=tuple(cache.slot(i) for i in range(layer, end)), embed=layer == 0,
-          head=end == L, advance=False, implementation=implementation)
+          head=end == L, advance=False, checked=True, implementation=implementation)
       cache = dataclasses.replace(cache, device=device)
       layer = end
   return x, cache.advance(T)
