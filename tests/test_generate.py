@@ -1,6 +1,8 @@
-"""examples.llama and examples.generate: prefill and cached decoding against a
-float64 numpy forward pass over the whole sequence, greedy tokens of offloaded runs equal
-to the all-on-device run, the presets' parameter counts, and the command line."""
+"""fastattn_jax.models.llama and fastattn_jax.generate with random-weight
+presets: prefill and cached decoding against a float64 numpy forward pass over
+the whole sequence, greedy tokens of offloaded runs equal to the all-on-device
+run, the presets' parameter counts, and the command line (the real model:
+test_models.py)."""
 
 import json
 
