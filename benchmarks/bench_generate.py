@@ -73,13 +73,8 @@ def filled_cache(model: gguf.Model, ids: list[int], batch: int, steps: int):
   """A ``KVCache`` holding the prefill of ``ids`` in each of ``batch``
   sequences, with room for ``steps`` more; and the prefill's greedy token."""
   logits, k, v = llama.prefill(model.params, jnp.asarray([ids]), config=model.config)
-  pad = ((0, 0), (0, steps), (0, 0), (0, 0))
-
-  def layer(x):
-    return jnp.pad(jnp.broadcast_to(x, (batch, *x.shape[1:])), pad)
-
-  lengths = jax.device_put(np.full(batch, len(ids), np.int32), k.sharding)
-  cache = KVCache(k=tuple(layer(x) for x in k), v=tuple(layer(x) for x in v), lengths=lengths)
+  k, v = (jnp.broadcast_to(x, (x.shape[0], batch, *x.shape[2:])) for x in (k, v))
+  cache = KVCache.from_prefill(k, v, np.full(batch, len(ids)), len(ids) + steps)
   first = jnp.broadcast_to(jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32), (batch, 1))
   return cache, first
 

@@ -197,6 +197,33 @@ class KVCache:
     return cls(k=tuple(zeros() for _ in range(num_layers)),
                v=tuple(zeros() for _ in range(num_layers)), lengths=lengths)
 
+  @classmethod
+  def from_prefill(cls, k, v, lengths, max_len: int) -> "KVCache":
+    """The cache of a prefill: every layer's keys and values at positions [0, P).
+
+    Args:
+      k, v: (L, B, P, K, H), a prefill's keys (RoPE applied) and values.
+      lengths: (B,) integer, each sequence's valid positions (<= P; the rest,
+        e.g. a shorter prompt's padding, is overwritten by later steps).
+      max_len: S_max >= P, the positions each layer holds.
+
+    Returns:
+      A ``KVCache`` of L layers of (B, max_len, K, H), zero past P, its
+      ``lengths`` placed where ``k`` is (as every step returns them; a cache
+      whose lengths are elsewhere makes the second step compile again).
+
+    Raises:
+      ValueError: k and v of other shapes or ranks, or ``max_len`` < P.
+    """
+    if k.ndim != 5 or k.shape != v.shape:
+      raise ValueError(f"KVCache.from_prefill: k and v must both be (L, B, P, K, H), got "
+                       f"{k.shape} and {v.shape}")
+    if max_len < k.shape[2]:
+      raise ValueError(f"KVCache.from_prefill: max_len={max_len} < P={k.shape[2]}")
+    pad = ((0, 0), (0, max_len - k.shape[2]), (0, 0), (0, 0))
+    return cls(k=tuple(jnp.pad(x, pad) for x in k), v=tuple(jnp.pad(x, pad) for x in v),
+               lengths=jax.device_put(np.asarray(lengths, np.int32), k.sharding))
+
   @property
   def num_layers(self) -> int:
     return len(self.k)

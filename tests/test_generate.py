@@ -79,9 +79,7 @@ def test_prefill_and_cached_decode_match_a_float64_forward_pass(params, rng):
   np.testing.assert_allclose(logits, reference_logits(params, tokens, TINY32), atol=2e-4)
 
   S_max = P + steps
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, S_max - P), (0, 0), (0, 0)))
-  cache = KVCache(k=tuple(pad(k) for k in ks), v=tuple(pad(v) for v in vs),
-                  lengths=jnp.full((Bt,), P, jnp.int32))
+  cache = KVCache.from_prefill(ks, vs, np.full(Bt, P), S_max)
   sequence = tokens
   for _ in range(steps):
     new = np.argmax(np.asarray(logits[:, -1]), axis=-1).astype(np.int32)[:, None]

@@ -171,9 +171,7 @@ def test_prefill_then_decode_is_one_forward(smollm2):
   prompt, continuation = REFERENCE["prompts"][1]["ids"], REFERENCE["greedy"][1]["ids"][:6]
   config = smollm2.config
   logits, k, v = llama.prefill(smollm2.params, jnp.asarray([prompt]), config=config)
-  pad = ((0, 0), (0, len(continuation)), (0, 0), (0, 0))
-  cache = KVCache(k=tuple(jnp.pad(x, pad) for x in k), v=tuple(jnp.pad(x, pad) for x in v),
-                  lengths=jnp.asarray([len(prompt)], jnp.int32))
+  cache = KVCache.from_prefill(k, v, [len(prompt)], len(prompt) + len(continuation))
   steps = [logits[0, -1]]
   for token in continuation[:-1]:
     step, cache = llama.decode_step(smollm2.params, cache, jnp.asarray([[token]]), config=config)

@@ -159,8 +159,6 @@ def _reader(path: str) -> gguf.GGUFReader:
     for t in reader.tensors:
       if t.data.nbytes != t.n_bytes:
         raise ValueError(f"tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes")
-  except GGUFError:
-    raise
   except (ValueError, IndexError, KeyError, OSError, EOFError) as err:
     raise GGUFError(f"{path} is not a readable GGUF file (corrupt or truncated?): {err}") from err
   return reader
@@ -251,17 +249,16 @@ def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
   return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor(reader, path, name, shape) -> np.ndarray:
-  """Tensor ``name`` dequantized to float32 in GGUF's (output, input) order."""
-  found = [t for t in reader.tensors if t.name == name]
-  if not found:
+def _tensor(tensors, path, name, shape) -> np.ndarray:
+  """Tensor ``name`` of ``tensors`` (by name) dequantized to float32 in
+  GGUF's (output, input) order."""
+  if name not in tensors:
     raise GGUFError(f"{path}: tensor {name} is missing")
-  t = found[0]
+  t = tensors[name]
   if t.tensor_type.name not in TENSOR_TYPES:
     raise GGUFError(f"{path}: tensor {name} has type {t.tensor_type.name}; this loader reads "
                     f"{', '.join(TENSOR_TYPES)}")
-  out = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-  return out
+  return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
 
 
 def read_params(reader: gguf.GGUFReader, path: str, config: LlamaConfig, *,
@@ -276,19 +273,20 @@ def read_params(reader: gguf.GGUFReader, path: str, config: LlamaConfig, *,
   D, N, K, H, F = (config.d_model, config.num_heads, config.num_kv_heads, config.head_dim,
                    config.ffn_dim)
   sharding = sharding_of(device or jax.devices()[0])
+  tensors = {t.name: t for t in reader.tensors}
 
   def put(x):
     return jax.device_put(jnp.asarray(x, config.dtype), sharding)
 
   def matrix(name, out_dim, in_dim, heads=None):
-    w = _tensor(reader, path, name, (out_dim, in_dim))
+    w = _tensor(tensors, path, name, (out_dim, in_dim))
     return put((w if heads is None else unpermute_rope_rows(w, heads)).T)
 
   def vector(name):
-    return put(_tensor(reader, path, name, (D,)))
+    return put(_tensor(tensors, path, name, (D,)))
 
   try:
-    params = {"embed": put(_tensor(reader, path, "token_embd.weight", (config.vocab_size, D))),
+    params = {"embed": put(_tensor(tensors, path, "token_embd.weight", (config.vocab_size, D))),
               "final_norm": vector("output_norm.weight")}
     if not config.tie_embeddings:
       params["lm_head"] = matrix("output.weight", config.vocab_size, D)
@@ -303,9 +301,9 @@ def read_params(reader: gguf.GGUFReader, path: str, config: LlamaConfig, *,
         "w_up": matrix(f"blk.{i}.ffn_up.weight", F, D),
         "w_down": matrix(f"blk.{i}.ffn_down.weight", D, F),
     } for i in range(config.num_layers)]
-  except ValueError as err:
-    if isinstance(err, GGUFError):
-      raise
+  except GGUFError:
+    raise
+  except ValueError as err:  # a reshape: the element count does not fit
     raise GGUFError(f"{path}: a tensor does not fit the model's shape: {err}") from err
   return params
 

@@ -486,12 +486,7 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
   logits, k, v = jax.block_until_ready(compiled(params, tokens))
   prefill_s = time.perf_counter() - start
 
-  pad = ((0, 0), (0, new_tokens), (0, 0), (0, 0))
-  # Lengths placed (committed) where the cache is, as every step returns
-  # them: else the second step compiles again for the new placement.
-  cache = KVCache(k=tuple(jnp.pad(k[layer], pad) for layer in range(config.num_layers)),
-                  v=tuple(jnp.pad(v[layer], pad) for layer in range(config.num_layers)),
-                  lengths=jax.device_put(lengths, k.sharding))
+  cache = KVCache.from_prefill(k, v, lengths, P + new_tokens)
   del k, v
   key = jax.random.key(seed)
   last = logits[jnp.arange(B), jnp.asarray(lengths) - 1]
