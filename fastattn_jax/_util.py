@@ -1,6 +1,6 @@
 """Small helpers that the library and its examples and benchmarks share.
 
-``median_seconds`` times JAX calls, ``host_cpu_device`` and ``sharding_of``
+``median_seconds`` times JAX calls and ``affine_fit`` fits them, ``host_cpu_device`` and ``sharding_of``
 name the host CPU device and place arrays, ``format_bytes`` prints sizes,
 ``sources_digest`` names a set of embedded kernel sources.
 """
@@ -69,6 +69,17 @@ def sharding_of(device, memory_kind: str | None = None):
   if device is None or isinstance(device, jax.sharding.Sharding):
     return device
   return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+def affine_fit(sizes, seconds) -> tuple[float, float]:
+  """``(rate, fixed)`` of the model ``t = fixed + size / rate`` through two
+  points (sizes in any unit, seconds), kept non-negative: when timing noise
+  swamps the size effect (t2 <= t1), all of t2 counts as the size term."""
+  (s1, s2), (t1, t2) = sizes, seconds
+  slope = (t2 - t1) / (s2 - s1)
+  if slope <= 0:
+    return s2 / t2, 0.0
+  return 1.0 / slope, max(t1 - s1 * slope, 0.0)
 
 
 def format_bytes(nbytes: float) -> str:

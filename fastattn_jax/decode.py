@@ -221,8 +221,14 @@ class KVCache:
     if max_len < k.shape[2]:
       raise ValueError(f"KVCache.from_prefill: max_len={max_len} < P={k.shape[2]}")
     pad = ((0, 0), (0, max_len - k.shape[2]), (0, 0), (0, 0))
-    return cls(k=tuple(jnp.pad(x, pad) for x in k), v=tuple(jnp.pad(x, pad) for x in v),
-               lengths=jax.device_put(np.asarray(lengths, np.int32), k.sharding))
+    where = k.sharding  # lengths replicated on k's devices (k may be split by heads)
+    if isinstance(where, jax.sharding.NamedSharding):
+      where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+    # Indexed, not iterated: iterating a sharded array yields single-device rows.
+    layers = range(k.shape[0])
+    return cls(k=tuple(jnp.pad(k[i], pad) for i in layers),
+               v=tuple(jnp.pad(v[i], pad) for i in layers),
+               lengths=jax.device_put(np.asarray(lengths, np.int32), where))
 
   @property
   def num_layers(self) -> int:
@@ -251,10 +257,12 @@ class KVCache:
     """
     k, v = write(self.k[layer], self.v[layer], self.lengths, k_new, v_new)
     out = decode_attention(query, k, v, self.lengths + k_new.shape[1], **kwargs)
-    cache = dataclasses.replace(
-        self, k=self.k[:layer] + (k,) + self.k[layer + 1:],
-        v=self.v[:layer] + (v,) + self.v[layer + 1:])
-    return out, cache
+    return out, self.replace_layer(layer, k, v)
+
+  def replace_layer(self, layer: int, k, v) -> "KVCache":
+    """The cache with layer ``layer``'s arrays replaced by ``k`` and ``v``."""
+    return dataclasses.replace(self, k=self.k[:layer] + (k,) + self.k[layer + 1:],
+                               v=self.v[:layer] + (v,) + self.v[layer + 1:])
 
   def check_room(self, T: int) -> bool:
     """Checks on the host, before a step, that T more positions fit.

@@ -6,7 +6,8 @@ loads a GGUF file (``fastattn_jax.models.gguf``; ``smollm2`` is the packaged
 SmolLM2-135M-Instruct), tokenizes the prompts (``--chat``: in the model's chat
 template), prefills them as one right-padded batch with ``fast_attention``,
 then decodes over a ``KVCache`` (``llama.generate``: greedy, or sampled with
-``--temperature`` and ``--top-p``), streaming the first prompt's text as it
+``--temperature`` and ``--top-p``; ``--tensor-parallel P``: the heads split
+over P devices, ``fastattn_jax.parallel``), streaming the first prompt's text as it
 is produced, until end-of-sequence or ``--new-tokens``. It reports prefill
 and decode tokens/s and the attention path, and writes ``tokens`` (the new ids
 per prompt) and ``text`` to ``DIR/results.json`` with ``--out DIR``.
@@ -103,6 +104,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="with --model: sampling temperature; 0 is greedy (default: 0)")
   parser.add_argument("--top-p", type=float, default=1.0,
                       help="with --model: nucleus sampling's probability mass (default: 1)")
+  parser.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="P",
+                      help="with --model: split the heads over the first P devices (tensor "
+                           "parallelism with FastAttention's tiling-AllReduce, "
+                           "fastattn_jax.parallel; default: 1, one device)")
   parser.add_argument("--context", type=_context, default=4096,
                       help="cache positions before decoding, prompt included (tokens), or "
                            "'max': the longest that fits the budgets in the --offload mode "
@@ -136,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   # Options of one kind of run only: given to the other, they are an error.
   preset_only = ("context", "prompt_len", "batch", "offload", "host_layers", "device_memory_gb",
                  "host_memory_gb")
-  model_only = ("prompt", "chat", "temperature", "top_p")
+  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel")
   wrong = [name for name in (preset_only if args.model else model_only)
            if getattr(args, name) != parser.get_default(name)]
   if wrong:
@@ -458,17 +463,27 @@ def _run_model(args) -> dict:
   model = gguf.load(args.model, dtype=args.dtype or "float32", device=device)
   timings["load"] = time.perf_counter() - start
   config = model.config
+  params, tp, where = model.params, None, str(device)
+  if args.tensor_parallel > 1:
+    devices = jax.devices()[:args.tensor_parallel]
+    if len(devices) < args.tensor_parallel:
+      raise ValueError(f"--tensor-parallel {args.tensor_parallel}: this machine has "
+                       f"{len(devices)} {devices[0].platform} device(s)")
+    tp = llama.tensor_parallel(config, jax.make_mesh((len(devices),), ("model",),
+                                                     devices=devices))
+    params = llama.shard_params(model.params, config, tp)
+    where = f"{len(devices)} devices ({devices[0].device_kind}), heads split"
   path = resolve_implementation(args.implementation, dtype=config.dtype,
                                 head_dim=config.head_dim)
   print(f"{config.name}: {config.num_layers} layers, D={config.d_model}, N={config.num_heads}, "
         f"K={config.num_kv_heads}, H={config.head_dim}, V={config.vocab_size}, {config.dtype}, "
-        f"loaded in {timings['load']:.1f} s on {device}; attention: {path}")
+        f"loaded in {timings['load']:.1f} s on {where}; attention: {path}")
   prompts = [model.encode(text, chat=args.chat) for text in args.prompt]
   print(f"prompt 0 ({len(prompts[0])} tokens): {args.prompt[0]}", flush=True)
-  gen = llama.generate(model.params, prompts, config=config, new_tokens=args.new_tokens,
+  gen = llama.generate(params, prompts, config=config, new_tokens=args.new_tokens,
                        eos_id=model.eos_id, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, implementation=args.implementation,
-                       on_tokens=_Stream(model, 0))
+                       on_tokens=_Stream(model, 0), tp=tp)
   print(flush=True)
   timings.update(prefill_compile=gen.prefill_compile_s, prefill=gen.prefill_s)
   # Decode step j produces token j + 1 of the prompts still generating; the
@@ -482,7 +497,8 @@ def _run_model(args) -> dict:
   results = {
       "model": gguf.model_path(args.model), "name": config.name, "dtype": config.dtype,
       "device": str(device), "device_kind": device.device_kind, "jax_version": jax.__version__,
-      "implementation": path, "chat": args.chat, "temperature": args.temperature,
+      "tensor_parallel": args.tensor_parallel, "implementation": path, "chat": args.chat,
+      "temperature": args.temperature,
       "top_p": args.top_p, "seed": args.seed, "prompts": args.prompt,
       "prompt_tokens": [len(p) for p in prompts],
       "prefill_tokens_per_s": sum(len(p) for p in prompts) / gen.prefill_s,

@@ -34,8 +34,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from fastattn_jax import offload
+from fastattn_jax import offload, parallel
 from fastattn_jax._util import sharding_of
 from fastattn_jax.attention import fast_attention
 from fastattn_jax.decode import KVCache
@@ -213,6 +214,37 @@ def init_params(config: LlamaConfig, seed: int = 0, *, device=None) -> Params:
   return params
 
 
+def tensor_parallel(config: LlamaConfig, mesh: jax.sharding.Mesh,
+                    axis: str = "model") -> parallel.TensorParallel:
+  """The head layout of ``config`` over ``axis`` of ``mesh`` (``parallel.TensorParallel``;
+  its ValueError when the heads do not split over the axis)."""
+  return parallel.TensorParallel(mesh, axis, config.num_heads, config.num_kv_heads,
+                                 config.head_dim)
+
+
+def shard_params(params: Params, config: LlamaConfig, tp: parallel.TensorParallel) -> Params:
+  """``params`` split for tensor parallelism over ``tp``'s axis (Megatron-LM's layout).
+
+  Attention weights as ``parallel.shard_attention_weights`` (wk, wv of
+  ``tp.kv_heads`` heads: repeated when K < P); the feed-forward w_gate and w_up
+  by columns, w_down by rows; norms, embedding and output head replicated.
+  The result feeds ``prefill``, ``decode_step`` and ``generate`` with the same
+  ``tp``.
+  """
+  replicated = tp.sharding()
+  split = {"w_gate": tp.sharding(None, tp.axis), "w_up": tp.sharding(None, tp.axis),
+           "w_down": tp.sharding(tp.axis, None)}
+  out = {name: jax.device_put(value, replicated) for name, value in _top(params).items()}
+  out["layers"] = []
+  for p in params["layers"]:
+    layer = parallel.shard_attention_weights(tp, p["wq"], p["wk"], p["wv"], p["wo"])
+    for name, value in p.items():
+      if name not in layer:
+        layer[name] = jax.device_put(value, split.get(name, replicated))
+    out["layers"].append(layer)
+  return out
+
+
 # --- the blocks ----------------------------------------------------------------
 
 def _rms_norm(x, scale, eps):
@@ -250,9 +282,39 @@ def _attention_inputs(config: LlamaConfig, p, x, positions):
 def _attention_output_and_mlp(config: LlamaConfig, p, x, attn):
   """The rest of a layer: output projection, residual, SwiGLU block, residual."""
   B, T, _ = x.shape
-  x = x + (attn.reshape(B, T, -1) @ p["wo"]).astype(x.dtype)
+  return _mlp(config, p, x + (attn.reshape(B, T, -1) @ p["wo"]).astype(x.dtype))
+
+
+def _mlp(config: LlamaConfig, p, x, tp: parallel.TensorParallel | None = None):
+  """The SwiGLU block and its residual; with ``tp``, each device computes its
+  columns of the hidden layer (weights split by ``shard_params``) and the
+  partial products are summed across the axis."""
+  if tp is None:
+    return x + _swiglu(config, p, x)
+  names = ("mlp_norm", "w_gate", "w_up", "w_down")
+  columns, rows, replicated = (PartitionSpec(None, tp.axis), PartitionSpec(tp.axis, None),
+                               PartitionSpec())
+  return jax.shard_map(
+      lambda x, *w: x + jax.lax.psum(_swiglu(config, dict(zip(names, w)), x), tp.axis),
+      mesh=tp.mesh, in_specs=(replicated, replicated, columns, columns, rows),
+      out_specs=replicated)(x, *(p[name] for name in names))
+
+
+def _swiglu(config: LlamaConfig, p, x):
   h = _rms_norm(x, p["mlp_norm"], config.norm_eps)
-  return x + ((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]).astype(x.dtype)
+  return ((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]).astype(x.dtype)
+
+
+def _parallel_layer(config: LlamaConfig, tp: parallel.TensorParallel, p, x, positions, *,
+                    cache=None, schedule="auto", num_tiles=None, implementation=None):
+  """A whole layer with tensor-parallel attention (``parallel.attention_block``):
+  ``(x, k, v)``, k and v the new keys and values (or the updated ``cache``'s)."""
+  h = _rms_norm(x, p["attn_norm"], config.norm_eps)
+  attn, k, v = parallel.attention_block(
+      h, p, tp, positions=positions, rotary=functools.partial(_rope, theta=config.rope_theta),
+      is_causal=True, cache=cache, schedule=schedule, num_tiles=num_tiles,
+      implementation=implementation)
+  return _mlp(config, p, x + attn, tp), k, v
 
 
 def _logits(config: LlamaConfig, top, x):
@@ -273,25 +335,37 @@ def _check_tokens(tokens, what):
 
 # --- prefill -------------------------------------------------------------------
 
-def forward(params: Params, tokens, *, config: LlamaConfig, attention_fn):
-  """The decoder over whole sequences, attention by ``attention_fn``.
+def forward(params: Params, tokens, *, config: LlamaConfig, attention_fn=None,
+            tp: parallel.TensorParallel | None = None, schedule: str = "auto",
+            num_tiles: int | None = None, implementation=None):
+  """The decoder over whole sequences.
+
+  Attention by ``attention_fn`` on one device, or, with ``tp``, tensor-parallel:
+  each layer's attention through ``parallel.attention_block`` (causal, in
+  ``schedule`` with ``num_tiles``: FastAttention's tiling-AllReduce) and its
+  feed-forward block split as ``shard_params`` placed it.
 
   Args:
-    params: from ``init_params``.
+    params: from ``init_params`` (with ``tp``: through ``shard_params``).
     tokens: (B, P) integer token ids in [0, V).
     config: the model shape (static).
-    attention_fn: called as ``attention_fn(q, k, v)`` with q (B, P, N, H), k
-      and v (B, P, K, H); returns (B, P, N, H): causal attention, e.g.
-      ``functools.partial(fast_attention, is_causal=True)`` or the same of
-      ``jax.nn.dot_product_attention``.
+    attention_fn: without ``tp``, called as ``attention_fn(q, k, v)`` with q
+      (B, P, N, H), k and v (B, P, K, H); returns (B, P, N, H): causal
+      attention, e.g. ``functools.partial(fast_attention, is_causal=True)``
+      or the same of ``jax.nn.dot_product_attention``.
+    tp: the tensor-parallel layout (``tensor_parallel``), or None.
+    schedule, num_tiles, implementation: with ``tp``, passed to
+      ``parallel.attention_block``.
 
   Returns:
     ``(logits, k, v)``: logits (B, P, V) float32 (position i predicts token
-    i + 1); k and v (L, B, P, K, H) of ``config.dtype``, every layer's keys
-    (RoPE applied) and values.
+    i + 1); k and v (L, B, P, K', H) of ``config.dtype``, every layer's keys
+    (RoPE applied) and values; K' = K, or ``tp.kv_heads`` split by heads
+    with ``tp``.
 
   Raises:
-    ValueError: tokens not a 2-D integer array, or P > ``config.max_context``.
+    ValueError: tokens not a 2-D integer array, P > ``config.max_context``,
+      neither or both of ``attention_fn`` and ``tp``.
   """
   tokens = jnp.asarray(tokens)
   _check_tokens(tokens, "forward")
@@ -299,32 +373,45 @@ def forward(params: Params, tokens, *, config: LlamaConfig, attention_fn):
   if P > config.max_context:
     raise ValueError(f"forward: P={P} tokens exceed max_context={config.max_context} "
                      f"of preset {config.name!r}")
+  if (attention_fn is None) == (tp is None):
+    raise ValueError("forward: pass attention_fn (one device) or tp (tensor-parallel)")
   positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   x = _embed(params, tokens)
   ks, vs = [], []
   for p in params["layers"]:
-    q, k, v = _attention_inputs(config, p, x, positions)
-    x = _attention_output_and_mlp(config, p, x, attention_fn(q, k, v))
+    if tp is None:
+      q, k, v = _attention_inputs(config, p, x, positions)
+      x = _attention_output_and_mlp(config, p, x, attention_fn(q, k, v))
+    else:
+      x, k, v = _parallel_layer(config, tp, p, x, positions, schedule=schedule,
+                                num_tiles=num_tiles, implementation=implementation)
     ks.append(k)
     vs.append(v)
   return _logits(config, params, x), jnp.stack(ks), jnp.stack(vs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation"))
-def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "tp", "schedule",
+                                             "num_tiles"))
+def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None,
+            tp: parallel.TensorParallel | None = None, schedule: str = "auto",
+            num_tiles: int | None = None):
   """Runs the decoder over whole prompts with causal ``fast_attention``
   (``forward``; its shapes, results and errors).
 
   Args:
-    params: from ``init_params``.
+    params: from ``init_params`` (with ``tp``: through ``shard_params``).
     tokens: (B, P) integer token ids in [0, V).
     config: the model shape (static).
     implementation: passed to ``fast_attention`` (None: the platform's best).
+    tp, schedule, num_tiles: tensor parallelism, as in ``forward``.
 
   Returns:
     ``(logits, k, v)`` as ``forward``: k and v to be written into a KV cache
     at positions [0, P).
   """
+  if tp is not None:
+    return forward(params, tokens, config=config, tp=tp, schedule=schedule,
+                   num_tiles=num_tiles, implementation=implementation)
   return forward(params, tokens, config=config, attention_fn=functools.partial(
       fast_attention, is_causal=True, implementation=implementation))
 
@@ -332,11 +419,18 @@ def prefill(params: Params, tokens, *, config: LlamaConfig, implementation=None)
 # --- decode --------------------------------------------------------------------
 
 @functools.cache
-def decoder(config: LlamaConfig) -> offload.Decoder:
-  """The layer functions of ``config`` for ``fastattn_jax.offload.decode_step``.
+def decoder(config: LlamaConfig, tp: parallel.TensorParallel | None = None) -> offload.Decoder:
+  """The layer functions of ``config`` for ``fastattn_jax.offload.decode_step``
+  (with ``tp``: whole tensor-parallel layers, ``Decoder.layer``).
 
-  One object per config (cached), so the jitted steps compile once per shape.
+  One object per config and layout (cached), so the jitted steps compile once per shape.
   """
+  if tp is not None:
+    def layer(p, x, cache_k, cache_v, lengths, positions, implementation):
+      return _parallel_layer(config, tp, p, x, positions, cache=(cache_k, cache_v, lengths),
+                             implementation=implementation)
+    return offload.Decoder(embed=_embed, attention_inputs=None, attention_output=None,
+                           head=functools.partial(_logits, config), layer=layer)
   return offload.Decoder(embed=_embed,
                          attention_inputs=functools.partial(_attention_inputs, config),
                          attention_output=functools.partial(_attention_output_and_mlp, config),
@@ -344,7 +438,8 @@ def decoder(config: LlamaConfig) -> offload.Decoder:
 
 
 def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, tokens, *,
-                config: LlamaConfig, implementation=None):
+                config: LlamaConfig, implementation=None,
+                tp: parallel.TensorParallel | None = None):
   """One decode step over a KV cache, on the device or partly offloaded to host memory.
 
   Writes the keys and values of the T new tokens of every layer at positions
@@ -365,6 +460,11 @@ def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, token
     config: the model shape.
     implementation: passed to ``decode_attention`` for device-resident and
       streamed layers (host-computed layers use the fused "cpu" kernel).
+    tp: tensor parallelism (``tensor_parallel``): ``params`` from
+      ``shard_params``, a ``KVCache`` of ``tp.kv_heads`` heads split by heads
+      (as ``prefill`` with ``tp`` returns them); each layer runs as
+      ``parallel.attention_block`` over its cache (one tile: the all-reduce of
+      B x T rows is latency-bound) and the split feed-forward block.
 
   Returns:
     ``(logits, cache)``: logits (B, T, V) float32, on the device; the cache
@@ -372,8 +472,9 @@ def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, token
 
   Raises:
     ValueError: tokens not (B, T) integer, a cache whose layer count or
-      shape does not match ``config``, or positions past S_max (as
-      ``decode.write`` and ``OffloadedKVCache.check_room``).
+      shape does not match ``config``, positions past S_max (as
+      ``decode.write`` and ``OffloadedKVCache.check_room``), or ``tp`` with
+      an ``OffloadedKVCache``.
   """
   tokens = jnp.asarray(tokens)
   _check_tokens(tokens, "decode_step")
@@ -382,13 +483,14 @@ def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, token
     layer_shape = (plan.batch, plan.max_len, plan.kv_heads, plan.head_dim)
   else:
     layer_shape = cache.k[0].shape
-  expected = (tokens.shape[0], config.num_kv_heads, config.head_dim)
+  kv_heads = config.num_kv_heads if tp is None else tp.kv_heads
+  expected = (tokens.shape[0], kv_heads, config.head_dim)
   if cache.num_layers != config.num_layers or (layer_shape[0], *layer_shape[2:]) != expected:
     raise ValueError(
         f"KV cache of {cache.num_layers} layers of {tuple(layer_shape)} does not match preset "
         f"{config.name!r}: expected {config.num_layers} layers of (B={tokens.shape[0]}, S_max, "
-        f"K={config.num_kv_heads}, H={config.head_dim})")
-  return offload.decode_step(decoder(config), params["layers"], _top(params), cache, tokens,
+        f"K={kv_heads}, H={config.head_dim})")
+  return offload.decode_step(decoder(config, tp), params["layers"], _top(params), cache, tokens,
                              implementation=implementation)
 
 
@@ -432,7 +534,8 @@ class Generation:
 
 def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
              eos_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, implementation=None, on_tokens=None) -> Generation:
+             seed: int = 0, implementation=None, on_tokens=None,
+             tp: parallel.TensorParallel | None = None) -> Generation:
   """Continues prompts of different lengths: one prefill with
   ``fast_attention``, then decode steps over a ``KVCache``.
 
@@ -454,6 +557,10 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
     on_tokens: called after each step as ``on_tokens(tokens, active)`` with
       the step's ids (B,) and which prompts were still generating (B,) bool,
       as numpy arrays (e.g. to stream text).
+    tp: tensor parallelism (``tensor_parallel``; ``params`` from
+      ``shard_params``): the prefill's attention in FastAttention's
+      tiling-AllReduce (``parallel.attention_block``, schedule "auto"), the
+      steps over a KV cache split by heads.
 
   Returns:
     A ``Generation``.
@@ -479,8 +586,10 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
     tokens[b, :len(ids)] = ids
 
   start = time.perf_counter()
-  compiled = prefill.lower(params, tokens, config=config,
-                           implementation=implementation).compile()
+  options = None if tp is None else parallel.compiler_options(
+      tp.mesh.devices.flat[0].platform)  # the tiled prefill's all-reduces overlap on GPUs
+  compiled = prefill.lower(params, tokens, config=config, implementation=implementation,
+                           tp=tp).compile(compiler_options=options)
   prefill_compile_s = time.perf_counter() - start
   start = time.perf_counter()
   logits, k, v = jax.block_until_ready(compiled(params, tokens))
@@ -507,7 +616,7 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
       break
     start = time.perf_counter()
     logits, cache = decode_step(params, cache, jnp.asarray(ids)[:, None], config=config,
-                                implementation=implementation)
+                                implementation=implementation, tp=tp)
     next_ids = sample(logits[:, 0], jax.random.fold_in(key, step + 1), temperature=temperature,
                       top_p=top_p)
     next_ids.block_until_ready()

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax._util import host_cpu_device, median_seconds, sharding_of
+from fastattn_jax._util import affine_fit, host_cpu_device, median_seconds, sharding_of
 from fastattn_jax.offload.cache import layer_attend
 
 
@@ -63,15 +63,6 @@ def has_pinned_host(device) -> bool:
   """Whether the ``jax.Device`` ``device`` addresses a "pinned_host" memory (streaming needs
   one)."""
   return any(m.kind == "pinned_host" for m in device.addressable_memories())
-
-
-def _affine_fit(sizes, seconds):
-  """(bytes_per_s, fixed_s) of t = fixed + bytes / rate through two points, kept non-negative."""
-  (b1, b2), (t1, t2) = sizes, seconds
-  slope = (t2 - t1) / (b2 - b1)
-  if slope <= 0:  # timing noise swamped the size effect: all of t2 counts as transfer
-    return b2 / t2, 0.0
-  return 1.0 / slope, max(t1 - b1 * slope, 0.0)
 
 
 def _layer_step_seconds(q, kv_new, S, where, device, implementation, roundtrip, repeats):
@@ -161,7 +152,7 @@ def measure_rates(batch: int = 1, query_heads: int = 32, kv_heads: int = 8, head
   sizes = [2 * batch * S * kv_heads * head_dim * itemsize for S in contexts]
 
   def layer_seconds(where, implementation, roundtrip):
-    return _affine_fit(sizes, [
+    return affine_fit(sizes, [
         _layer_step_seconds(q, kv_new, S, where, device, implementation, roundtrip, repeats)
         for S in contexts])
 

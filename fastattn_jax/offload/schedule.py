@@ -46,12 +46,30 @@ class Decoder:
       rest of the layer, from the attention output (B, T, N, H) and the
       layer's input x (B, T, D).
     head: ``head(top, x) -> logits`` (B, T, V).
+    layer: None, or ``layer(layer_params, x, cache_k, cache_v, lengths,
+      positions, implementation) -> (x, cache_k, cache_v)``: a whole layer
+      over its device-resident cache (B, S_max, K', H) with ``lengths``
+      written so far, in place of the three functions above (e.g. a
+      tensor-parallel layer, whose projections, attention and all-reduce are
+      one block, ``fastattn_jax.parallel.attention_block``). Such a decoder
+      runs over a ``KVCache`` only.
   """
 
   embed: Callable
-  attention_inputs: Callable
-  attention_output: Callable
+  attention_inputs: Callable | None
+  attention_output: Callable | None
   head: Callable
+  layer: Callable | None = None
+
+  def run_layer(self, p, x, cache: KVCache, slot: int, positions, implementation):
+    """One layer over slot ``slot`` of ``cache``: ``(x, cache)``, lengths unchanged."""
+    if self.layer is None:
+      q, k, v = self.attention_inputs(p, x, positions)
+      attn, cache = cache.attend(slot, q, k, v, implementation=implementation)
+      return self.attention_output(p, x, attn), cache
+    x, k, v = self.layer(p, x, cache.k[slot], cache.v[slot], cache.lengths, positions,
+                         implementation)
+    return x, cache.replace_layer(slot, k, v)
 
 
 def _positions(lengths, T):
@@ -74,9 +92,7 @@ def _device_layers(layer_params, top, x, cache: KVCache, *, decoder, slots, embe
     x = decoder.embed(top, x)
   positions = _positions(cache.lengths, x.shape[1])
   for p, slot in zip(layer_params, slots):
-    q, k, v = decoder.attention_inputs(p, x, positions)
-    attn, cache = cache.attend(slot, q, k, v, implementation=implementation)
-    x = decoder.attention_output(p, x, attn)
+    x, cache = decoder.run_layer(p, x, cache, slot, positions, implementation)
   if advance:
     cache = cache.advance(x.shape[1], check=not checked)
   return (decoder.head(top, x) if head else x), cache
@@ -137,6 +153,9 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
     return _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
                           slots=tuple(range(L)), embed=True, head=True, advance=True,
                           checked=cache.check_room(T), implementation=implementation)
+  if decoder.layer is not None:
+    raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
+                     "KVCache, not an OffloadedKVCache")
   cache.check_room(T)
   x, layer = tokens, 0
   while layer < L:
