@@ -232,17 +232,25 @@ def shard_params(params: Params, config: LlamaConfig, tp: parallel.TensorParalle
   ``tp``.
   """
   replicated = tp.sharding()
-  split = {"w_gate": tp.sharding(None, tp.axis), "w_up": tp.sharding(None, tp.axis),
-           "w_down": tp.sharding(tp.axis, None)}
+  mlp = _mlp_specs(tp)
   out = {name: jax.device_put(value, replicated) for name, value in _top(params).items()}
   out["layers"] = []
   for p in params["layers"]:
     layer = parallel.shard_attention_weights(tp, p["wq"], p["wk"], p["wv"], p["wo"])
     for name, value in p.items():
       if name not in layer:
-        layer[name] = jax.device_put(value, split.get(name, replicated))
+        layer[name] = jax.device_put(
+            value, tp.sharding(*mlp[name]) if name in mlp else replicated)
     out["layers"].append(layer)
   return out
+
+
+def _mlp_specs(tp: parallel.TensorParallel) -> dict[str, PartitionSpec]:
+  """Specs of the feed-forward block's weights over ``tp.axis``: the hidden
+  layer's columns split (w_gate, w_up by columns, w_down by rows)."""
+  columns = PartitionSpec(None, tp.axis)
+  return {"mlp_norm": PartitionSpec(), "w_gate": columns, "w_up": columns,
+          "w_down": PartitionSpec(tp.axis, None)}
 
 
 # --- the blocks ----------------------------------------------------------------
@@ -291,13 +299,11 @@ def _mlp(config: LlamaConfig, p, x, tp: parallel.TensorParallel | None = None):
   partial products are summed across the axis."""
   if tp is None:
     return x + _swiglu(config, p, x)
-  names = ("mlp_norm", "w_gate", "w_up", "w_down")
-  columns, rows, replicated = (PartitionSpec(None, tp.axis), PartitionSpec(tp.axis, None),
-                               PartitionSpec())
+  specs = _mlp_specs(tp)
   return jax.shard_map(
-      lambda x, *w: x + jax.lax.psum(_swiglu(config, dict(zip(names, w)), x), tp.axis),
-      mesh=tp.mesh, in_specs=(replicated, replicated, columns, columns, rows),
-      out_specs=replicated)(x, *(p[name] for name in names))
+      lambda x, w: x + jax.lax.psum(_swiglu(config, w, x), tp.axis), mesh=tp.mesh,
+      in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec())(
+          x, {name: p[name] for name in specs})
 
 
 def _swiglu(config: LlamaConfig, p, x):
