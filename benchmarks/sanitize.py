@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import attention, backends, fast_attention, resolve_implementation
+from fastattn_jax import explain, fast_attention
 
 #: (B, T, S, N, K, H, AttentionConfig rules, bias, mask, lengths)
 CASES = (
@@ -47,14 +47,13 @@ def run_case(path, case, dtype) -> str:
              for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
   bias = jnp.asarray(rng.standard_normal((1, N, T, S)), dtype) if with_bias else None
   mask = jnp.asarray(rng.random((B, 1, T, S)) > 0.2) if with_mask else None
-  config = attention.AttentionConfig(scale=H ** -0.5, **rules)
-  if not backends.fused_backward(resolve_implementation(path, dtype=dtype, head_dim=H),
-                                 config, (B, T, N, H), (B, S, K, H), dtype, with_bias, with_mask):
-    return f"H={H} skipped: no fused backward"
   lengths = {}
   if with_lengths:
     lengths = {"query_seq_lengths": jnp.asarray([T, T // 2 + 1][:B], jnp.int32),
                "key_value_seq_lengths": jnp.asarray([S - 3, S // 3][:B], jnp.int32)}
+  paths = explain(q, k, v, bias, mask, implementation=path, **opts, **lengths)
+  if paths.backward != paths.forward:
+    return f"H={H} skipped: no fused backward ({paths.backward_reason})"
 
   def loss(q, k, v):
     out = fast_attention(q, k, v, bias, mask, implementation=path, **opts, **lengths)

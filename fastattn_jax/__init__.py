@@ -1,11 +1,17 @@
 """fastattn_jax: fused attention kernels for JAX as XLA custom calls.
 
 ``fast_attention`` is a drop-in for ``jax.nn.dot_product_attention`` that
-picks the fastest path for the device (see ``resolve_implementation``).
+picks the fastest path for the device; ``explain`` says which path a call
+takes, forward and backward, and why. ``decode_attention`` and ``KVCache``
+serve decoding over KV caches; ``fastattn_jax.offload`` keeps long caches in
+host memory, ``fastattn_jax.parallel`` splits attention heads over devices,
+``fastattn_jax.flax`` plugs ``fast_attention`` into Flax modules.
 """
 
-from fastattn_jax.attention import fast_attention
+from fastattn_jax.attention import Explanation, explain, fast_attention
 from fastattn_jax.backends import build_info, implementations, resolve_implementation
+from fastattn_jax.decode import KVCache, decode_attention
 
-__all__ = ["build_info", "fast_attention", "implementations", "resolve_implementation"]
+__all__ = ["Explanation", "KVCache", "build_info", "decode_attention", "explain",
+           "fast_attention", "implementations", "resolve_implementation"]
 __version__ = "0.1.0"

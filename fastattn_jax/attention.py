@@ -1,8 +1,11 @@
-"""``fast_attention``: a drop-in for ``jax.nn.dot_product_attention``."""
+"""``fast_attention``, a drop-in for ``jax.nn.dot_product_attention``, and ``explain``,
+which says which paths serve a call."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -121,8 +124,33 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   every path, computed only when the bias is differentiated. Works under
   jit, vmap, scan, checkpoint and with inputs sharded along batch or heads.
   """
+  config, operands = _prepare(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      implementation=implementation, deterministic=deterministic)
+  out_shape = jnp.shape(query)
+  if config.implementation == "cudnn":
+    if config.softcap is not None:
+      raise ValueError("implementation='cudnn' does not support logits_soft_cap")
+    q_lens, kv_lens = operands[-2:]
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=config.scale, is_causal=config.is_causal,
+        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+        local_window_size=config.window, implementation="cudnn",
+        return_residual=return_residual)
+  out, lse = run_config(config, *operands)
+  out = out.reshape(out_shape)
+  return (out, jax.lax.stop_gradient(lse.reshape(out_shape[:-1]))) if return_residual else out
+
+
+def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+             key_value_seq_lengths, local_window_size, logits_soft_cap, implementation,
+             deterministic):
+  """Checks ``fast_attention``'s arguments; returns its ``AttentionConfig`` and
+  the operands (q, k, v 4-D; bias and mask 4-D; lengths (B,) int32; absent
+  ones None)."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  out_shape = query.shape
   q, k, v = (x[None] if x.ndim == 3 else x for x in (query, key, value))
   dims = shapes.check_qkv(q, k, v)
   bias = _broadcast_operand("bias", bias, dims)
@@ -144,18 +172,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
       implementation=requested_implementation(implementation, q.dtype),
       deterministic=bool(deterministic))
-
-  if config.implementation == "cudnn":
-    if config.softcap is not None:
-      raise ValueError("implementation='cudnn' does not support logits_soft_cap")
-    return jax.nn.dot_product_attention(
-        query, key, value, bias, mask, scale=config.scale, is_causal=is_causal,
-        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-        local_window_size=config.window, implementation="cudnn",
-        return_residual=return_residual)
-  out, lse = run_config(config, q, k, v, bias, mask, q_lens, kv_lens)
-  out = out.reshape(out_shape)
-  return (out, jax.lax.stop_gradient(lse.reshape(out_shape[:-1]))) if return_residual else out
+  return config, (q, k, v, bias, mask, q_lens, kv_lens)
 
 
 def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=None,
@@ -253,3 +270,111 @@ def _fused_bwd(config, residuals, cotangents):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """Which paths serve a ``fast_attention`` call and its gradient, and why
+  (``explain``).
+
+  Attributes:
+    platform: the JAX platform the call was explained for ("cpu", "cuda").
+    forward: the forward's path: a name of ``implementations()``.
+    forward_reason: why that path serves.
+    backward: the gradient's path: the forward's own name where it has a
+      fused backward for the call, "xla" (XLA's autodiff of the reference
+      math), "cudnn", or "blockwise" (the reference math over blocks of query
+      rows, ``reference.attention_grads``).
+    backward_reason: why.
+    kernel: the CUDA kernel variant of the forward (e.g. "sm80 H=128
+      bf16->bf16"), None on other paths.
+  """
+
+  platform: str
+  forward: str
+  forward_reason: str
+  backward: str
+  backward_reason: str
+  kernel: str | None = None
+
+  def __str__(self) -> str:
+    kernel = f" [{self.kernel}]" if self.kernel else ""
+    return (f"on {self.platform}:\n  forward:  {self.forward}{kernel}: {self.forward_reason}\n"
+            f"  backward: {self.backward}: {self.backward_reason}")
+
+
+def explain(query, key, value, bias=None, mask=None, *, backend=None, **kwargs) -> Explanation:
+  """Says which path ``fast_attention(query, key, value, bias, mask, **kwargs)``
+  would take, forward and backward, and why; runs nothing.
+
+  The choice is the one the lowering makes (``backends.choose_forward`` and
+  ``choose_backward``, where the library logs it once per process too).
+
+  Args:
+    query, key, value, bias, mask: as for ``fast_attention``: arrays, or
+      anything with ``shape`` and ``dtype`` (``jax.ShapeDtypeStruct``), since
+      only shapes and dtypes are read.
+    backend: the JAX platform the call would run on ("cpu", "cuda");
+      default ``jax.default_backend()``.
+    **kwargs: ``fast_attention``'s keyword arguments (``is_causal``,
+      ``key_value_seq_lengths``, ``implementation``, ...); lengths may be
+      ``ShapeDtypeStruct`` too.
+
+  Returns:
+    An ``Explanation``; ``print`` it for a two-line summary.
+
+  Raises:
+    ValueError, TypeError: as ``fast_attention`` would for these arguments,
+      and as ``resolve_implementation`` for a path the platform cannot run.
+  """
+  unknown = set(kwargs) - _KEYWORDS
+  if unknown:
+    raise TypeError(f"explain: unexpected keyword arguments {sorted(unknown)}; it takes "
+                    f"fast_attention's: {sorted(_KEYWORDS)}")
+  lengths = {name: kwargs.pop(name, None)
+             for name in ("query_seq_lengths", "key_value_seq_lengths")}
+  kwargs.pop("return_residual", None)
+  prepared = {}
+
+  def trace(query, key, value, bias, mask, lengths):
+    prepared["config"], operands = _prepare(query, key, value, bias, mask, **lengths,
+                                            **_defaults(kwargs))
+    prepared["q"], prepared["k"] = operands[:2]
+    return ()
+
+  jax.eval_shape(trace, query, key, value, bias, mask, lengths)
+  config, q, k = prepared["config"], prepared["q"], prepared["k"]
+  platform = backends.platform_of(backend)
+  if config.implementation == "cudnn":
+    return Explanation(platform, "cudnn", "requested: jax.nn.dot_product_attention's cuDNN "
+                       "kernel", "cudnn", "cuDNN's backward, through jax.nn")
+  if config.implementation == "xla" or q.dtype == jnp.float64:
+    why = ("requested" if config.implementation == "xla"
+           else "float64 inputs are served by the reference math")
+    return Explanation(platform, "xla", why + " (materializes B x N x T x S logits)", "xla",
+                       "XLA's autodiff of the reference math")
+  requested = None if config.implementation == "auto" else config.implementation
+  forward, forward_reason = backends.choose_forward(requested, platform, q.dtype, q.shape[-1])
+  backward, backward_reason = backends.choose_backward(forward, config, q.shape, k.shape,
+                                                       q.dtype)
+  if config.has_bias:
+    backward_reason += ("; a differentiated bias gets its gradient from the reference math "
+                        "(materializes B x N x T x S)")
+  kernel = None
+  if forward in backends.cuda.IMPLEMENTATIONS:
+    plan = backends.cuda.plan(forward, config, q.shape, k.shape, q.dtype, config.has_bias,
+                              config.has_mask, config.has_q_lens)
+    kernel = backends.cuda.describe_variant(plan)
+  return Explanation(platform, forward, forward_reason, backward, backward_reason, kernel)
+
+
+#: ``fast_attention``'s keyword arguments, and their defaults.
+_KEYWORDS = frozenset(inspect.signature(fast_attention).parameters) - {
+    "query", "key", "value", "bias", "mask"}
+
+
+def _defaults(kwargs):
+  """``_prepare``'s keyword arguments: ``kwargs`` over ``fast_attention``'s defaults."""
+  params = inspect.signature(fast_attention).parameters
+  return {name: kwargs.get(name, params[name].default) for name in _KEYWORDS
+          if name not in ("query_seq_lengths", "key_value_seq_lengths", "return_residual")}

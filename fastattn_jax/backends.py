@@ -1,10 +1,11 @@
 """Native kernels: loading the extension, FFI registration, choosing a path, the calls.
 
 The extension ``fastattn_jax._ffi`` hands out XLA FFI handler capsules; this
-module registers them with ``jax.ffi.register_ffi_target``, picks the path
-that serves a call (``resolve_implementation``) and builds the
-``jax.ffi.ffi_call`` that runs a fused kernel: the CPU's here, the CUDA
-kernels' in ``fastattn_jax.cuda``.
+module registers them with ``jax.ffi.register_ffi_target``, picks the paths
+that serve a call and its gradient (``choose_forward``, ``choose_backward``)
+and runs a fused kernel: the CPU's here, the CUDA and Ascend kernels' in
+``fastattn_jax.cuda`` and ``fastattn_jax.ascend``, each through
+``custom_calls.kernel_call``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ except ImportError as err:
       "fastattn_jax's native extension (fastattn_jax._ffi) is missing: install "
       "the package with `pip install .` (a source checkout on sys.path, e.g. "
       "the current directory, shadows the installed package)") from err
-from fastattn_jax import _util, ascend, cuda, shapes
+from fastattn_jax import _util, ascend, cuda
+from fastattn_jax.custom_calls import kernel_call
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -44,7 +46,7 @@ for _platform, _targets in _ffi.registrations().items():
   for _name, _handler in _targets.items():
     jax.ffi.register_ffi_target(_name, _handler, platform=_platform)
 
-_logged_paths: set[tuple[str, str]] = set()
+_logged_paths: set[tuple[str, str, str]] = set()
 
 
 def implementations() -> tuple[str, ...]:
@@ -83,28 +85,50 @@ def build_info() -> dict:
   }
 
 
-def default_path(platform: str, dtype=None, head_dim: int | None = None) -> str:
-  """The path ``implementation=None`` takes on a JAX platform ("cpu", "cuda").
+def default_path(platform: str, dtype=None, head_dim: int | None = None) -> tuple[str, str]:
+  """The path ``implementation=None`` takes on a JAX platform ("cpu", "cuda"), and why.
 
   On CUDA GPUs: the kernel of the compute capability (``cuda.default_implementation``),
   except that float32 inputs and head dims above ``cuda.MAX_HEAD_DIM`` take
   "xla" (the kernels multiply in 16 bits, see ``cuda.operand_dtype``; float32
   keeps jax.nn's numerics).
+
+  Returns:
+    ``(path, reason)``: the path name and a phrase saying why it serves.
   """
   if platform == "cpu":
-    return "cpu"
+    return "cpu", "the fused CPU kernel serves every call on CPUs"
   if platform == "cuda":
-    if (dtype is not None and jnp.dtype(dtype) == jnp.float32) or (
-        head_dim is not None and head_dim > cuda.MAX_HEAD_DIM):
-      return "xla"
-    return cuda.default_implementation(cuda.compute_capability(), head_dim)
-  return "xla"
+    if dtype is not None and jnp.dtype(dtype) == jnp.float32:
+      return "xla", ("float32 inputs take XLA on GPUs: the CUDA kernels multiply in 16 bits "
+                     "(a forced cuda_sm* path rounds float32 to float16)")
+    if head_dim is not None and head_dim > cuda.MAX_HEAD_DIM:
+      return "xla", (f"head dim H={head_dim} is above {cuda.MAX_HEAD_DIM}, the largest the "
+                     f"CUDA kernels take")
+    cc = cuda.compute_capability()
+    path = cuda.default_implementation(cc, head_dim)
+    return path, f"the kernel for compute capability {cc // 10}.{cc % 10}" + (
+        "" if head_dim is None else f" at head dim H={head_dim}")
+  return "xla", f"no fused kernel runs on platform {platform!r}"
+
+
+def platform_of(backend: str | None = None) -> str:
+  """The JAX platform name of ``backend`` (default: ``jax.default_backend()``),
+  with "gpu" told apart into "cuda" and "rocm"."""
+  platform = backend or jax.default_backend()
+  if platform == "gpu":  # jax.default_backend()'s name for CUDA and ROCm alike
+    version = jax.devices("gpu")[0].client.platform_version.lower()
+    platform = "rocm" if "rocm" in version else "cuda"
+  return platform
 
 
 def resolve_implementation(implementation: str | None = None,
                            backend: str | None = None, dtype=None,
                            head_dim: int | None = None) -> str:
   """Names the path that serves ``fast_attention(..., implementation=...)``.
+
+  ``fastattn_jax.explain`` says the same of a whole call, with its reasons,
+  and names the path of the call's gradient too.
 
   Args:
     implementation: as passed to ``fast_attention`` (None: best available).
@@ -123,10 +147,12 @@ def resolve_implementation(implementation: str | None = None,
       capability 8.0 or newer, ``cuda_sm75`` 7.5, ``cuda_sm90`` exactly 9.0),
       or a head dim above 256 on a CUDA path.
   """
-  platform = backend or jax.default_backend()
-  if platform == "gpu":  # jax.default_backend()'s name for CUDA and ROCm alike
-    version = jax.devices("gpu")[0].client.platform_version.lower()
-    platform = "rocm" if "rocm" in version else "cuda"
+  return choose_forward(implementation, platform_of(backend), dtype, head_dim)[0]
+
+
+def choose_forward(implementation: str | None, platform: str, dtype=None,
+                   head_dim: int | None = None) -> tuple[str, str]:
+  """``(path, reason)`` of the forward on ``platform``; see ``resolve_implementation``."""
   if implementation is None:
     return default_path(platform, dtype, head_dim)
   check_name(implementation)
@@ -147,77 +173,73 @@ def resolve_implementation(implementation: str | None = None,
       raise ValueError(
           f"implementation={implementation!r} supports head dims up to "
           f"{cuda.MAX_HEAD_DIM}, got H={head_dim}; use implementation=None or 'xla'")
-  return implementation
+  return implementation, "requested by implementation="
 
 
-def log_path_once(implementation: str, platform: str) -> None:
-  if (implementation, platform) not in _logged_paths:
-    _logged_paths.add((implementation, platform))
-    logger.info("fast_attention: using the %r path on %s", implementation, platform)
+#: The gradient of a fused path that has no backward kernel for a call:
+#: ``reference.attention_grads``, jax.numpy over blocks of query rows.
+BLOCKWISE = "blockwise"
 
 
-def rule_attrs(config: AttentionConfig) -> dict:
-  """The FFI attributes every target takes: the logit transform and the index
-  rules (csrc/ffi/attention_attrs.h: CallAttrs)."""
-  left, right = config.window if config.window is not None else (-1, -1)
-  return dict(scale=np.float32(config.scale), softcap=np.float32(config.softcap or 0.0),
-              is_causal=np.int64(config.is_causal), end_aligned=np.int64(config.end_aligned),
-              window_left=np.int64(left), window_right=np.int64(right))
+def choose_backward(implementation: str, config: AttentionConfig, q_shape, k_shape,
+                    dtype) -> tuple[str, str]:
+  """``(path, reason)`` of the gradient of a call that the forward path
+  ``implementation`` serves: the path itself where it has a fused backward
+  for the call (always on the CPU; on the CUDA paths where the owner plans
+  backward kernels for it, ``cuda.plan(..., backward=True)``: every CUDA path
+  up to H = 128, the sm80 and sm90 paths up to 256), else ``BLOCKWISE``
+  ("xla" included: the primitive reaches it only when chosen at lowering)."""
+  if implementation == "cpu":
+    return "cpu", "the fused CPU backward (FlashAttention-2, Algorithm 2)"
+  if implementation in cuda.IMPLEMENTATIONS:
+    try:
+      cuda.plan(implementation, config, q_shape, k_shape, dtype, config.has_bias,
+                config.has_mask, backward=True)
+    except ValueError as err:
+      return BLOCKWISE, (f"the reference math over blocks of query rows: {implementation} has "
+                         f"no backward kernel for this call ({err})")
+    return implementation, "the path's backward kernels (FlashAttention-2, Algorithm 2)"
+  return BLOCKWISE, (f"the reference math over blocks of query rows: {implementation} has no "
+                     f"backward kernel")
+
+
+def log_path_once(direction: str, implementation: str, platform: str, reason: str, *,
+                  warn: bool = False) -> None:
+  """Logs, once per process, the path that serves a direction ("forward" or
+  "backward") on a platform, with the reason: at INFO, or at WARNING with
+  ``warn`` (a fused forward whose gradient falls back to the blockwise
+  reference math: slower than a kernel, more memory)."""
+  if (direction, implementation, platform) not in _logged_paths:
+    _logged_paths.add((direction, implementation, platform))
+    level = logging.WARNING if warn else logging.INFO
+    logger.log(level, "fast_attention %s on %s: the %r path, %s", direction, platform,
+               implementation, reason)
 
 
 def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
                q_lens=None, kv_lens=None):
-  """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out, lse).
-
-  Absent optional operands are passed as empty arrays, which the handlers
-  read as "none"; all options travel as one attribute dictionary that the
-  handler decodes into a struct.
-  """
-  attrs = rule_attrs(config)
+  """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out, lse)."""
   if implementation in cuda.IMPLEMENTATIONS:
-    return cuda.call(implementation, config, attrs, q, k, v, bias, mask, q_lens, kv_lens)
+    return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
   if implementation in ascend.IMPLEMENTATIONS:
-    return ascend.call(implementation, config, attrs, q, k, v, bias, mask, q_lens, kv_lens)
+    return ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
   B, T, N, _ = q.shape
-  return jax.ffi.ffi_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                       jax.ShapeDtypeStruct((B, T, N), jnp.float32)))(
-      *_cpu_operands(q, k, v, bias, mask, q_lens, kv_lens), **attrs, variant=np.int64(0),
-      fold_heads=np.int64(0))
-
-
-def fused_backward(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
-                   bias: bool = False, mask: bool = False) -> bool:
-  """Whether ``implementation`` has a fused backward for a call: always on the
-  CPU; on the CUDA paths where the owner plans backward kernels for it
-  (``cuda.plan(..., backward=True)``: every CUDA path up to H = 128, the sm80
-  and sm90 paths up to 256). Elsewhere the
-  gradients come from ``reference.attention_grads``."""
-  if implementation == "cpu":
-    return True
-  if implementation not in cuda.IMPLEMENTATIONS:
-    return False
-  try:
-    cuda.plan(implementation, config, q_shape, k_shape, dtype, bias, mask, backward=True)
-  except ValueError:
-    return False
-  return True
+  return kernel_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                  jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
+                     config, q, k, v, bias, mask, q_lens, kv_lens, variant=np.int64(0),
+                     fold_heads=np.int64(0))
 
 
 def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, bias, mask,
                         q_lens, kv_lens, out, lse, d_out, d_lse):
-  """Runs the fused backward of ``implementation`` (where ``fused_backward``):
-  the gradients (dq, dk, dv) of the call ``fused_call`` ran, from its out (B, T,
-  N, H) and lse (B, T, N) and their cotangents d_out and d_lse (float32)."""
+  """Runs the fused backward of ``implementation`` (where ``choose_backward``
+  names it): the gradients (dq, dk, dv) of the call ``fused_call`` ran, from
+  its out (B, T, N, H) and lse (B, T, N) and their cotangents d_out and d_lse
+  (float32)."""
   if implementation in cuda.IMPLEMENTATIONS:
-    return cuda.call_backward(implementation, config, rule_attrs(config), q, k, v, bias, mask,
-                              q_lens, kv_lens, out, lse, d_out, d_lse)
-  return jax.ffi.ffi_call(CPU_BACKWARD_TARGET, tuple(
-      jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))(
-          *_cpu_operands(q, k, v, bias, mask, q_lens, kv_lens), out, lse, d_out, d_lse,
-          **rule_attrs(config), variant=np.int64(0), fold_heads=np.int64(0))
-
-
-def _cpu_operands(q, k, v, bias, mask, q_lens, kv_lens):
-  """The CPU targets' operands: q, k, v, then the optional ones (the bias in
-  its own dtype)."""
-  return (q, k, v, *shapes.optional_operands(bias, mask, q_lens, kv_lens, q.dtype))
+    return cuda.call_backward(implementation, config, q, k, v, bias, mask, q_lens, kv_lens,
+                              out, lse, d_out, d_lse)
+  return kernel_call(CPU_BACKWARD_TARGET, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                for x in (q, k, v)),
+                     config, q, k, v, bias, mask, q_lens, kv_lens, out, lse, d_out, d_lse,
+                     variant=np.int64(0), fold_heads=np.int64(0))

@@ -18,6 +18,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.metadata
 import importlib.util
@@ -27,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import _ffi, shapes
+from fastattn_jax import _ffi
+from fastattn_jax.custom_calls import kernel_call
 from fastattn_jax.shapes import AttentionConfig
 
 #: The CUDA targets: every forward kernel, and the backward kernels; the
@@ -92,9 +94,19 @@ def cache_dir() -> str:
 
 
 def configure() -> None:
-  """Hands the NVRTC candidates and the cache folder to the extension."""
+  """Hands the NVRTC candidates and the cache folder, as the environment
+  names them now, to the extension. The first CUDA call does it once
+  (``_configured``); call it again after changing the environment."""
   _ffi.set_nvrtc_candidates(nvrtc_candidates())
   _ffi.set_cache_dir(cache_dir())
+
+
+@functools.cache
+def _configured() -> None:
+  """``configure()``, once per process, before the extension compiles or
+  runs a kernel: not at import, which on a machine without a GPU would
+  search the disk for NVRTC for nothing."""
+  configure()
 
 
 # --- which kernel ----------------------------------------------------------------
@@ -144,11 +156,16 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   """
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
-  left, right = config.window if config.window is not None else (-1, -1)
+  left, right = config.window_bounds
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic)
+
+
+def describe_variant(plan_: dict) -> str:
+  """The kernel variant of a plan in words, e.g. "sm80 H=128 bfloat16->bfloat16"."""
+  return _ffi.cuda_variant(plan_["variant"])["describe"]
 
 
 def kernel_shape(plan_: dict, q_shape, k_shape) -> tuple[int, ...]:
@@ -171,28 +188,28 @@ def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -
                                cc * 10, multiprocessors(device), blocks_per_sm)
 
 
-def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias=None,
-         mask=None, q_lens=None, kv_lens=None):
+def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
+         q_lens=None, kv_lens=None):
   """Runs the kernel ``implementation`` plans for the call; returns (out, lse).
 
   q (B, T, N, H), k and v (B, S, K, H), converted to the plan's operand dtype
   when they are not in it; H not a multiple of 8 is zero-padded to one (16-byte
-  rows: the one case that copies the operands). ``attrs``: the rule attributes
-  the CPU target takes too (``backends.rule_attrs``). The split-KV workspace is
-  a third result, sized by the owner.
+  rows: the one case that copies the operands); the bias in float32. The
+  split-KV workspace is a third result, sized by the owner.
   """
+  _configured()
   B, T, N, H = q.shape
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None)
   out_dtype = q.dtype
   q, k, v = _kernel_rows(p, q, k, v)
   workspace = launch(p, q.shape, k.shape)["workspace_floats"]
-  out, lse, _ = jax.ffi.ffi_call(TARGET, (
-      jax.ShapeDtypeStruct(q.shape, out_dtype),
-      jax.ShapeDtypeStruct((B, T, N), jnp.float32),
-      jax.ShapeDtypeStruct((workspace,), jnp.float32)))(
-          q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens),
-          **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(p["fold_heads"]))
+  out, lse, _ = kernel_call(TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
+                                     jax.ShapeDtypeStruct((B, T, N), jnp.float32),
+                                     jax.ShapeDtypeStruct((workspace,), jnp.float32)),
+                            config, q, k, v, bias, mask, q_lens, kv_lens,
+                            bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
+                            fold_heads=np.int64(p["fold_heads"]))
   return out[..., :H], lse
 
 
@@ -209,14 +226,8 @@ def _kernel_rows(p: dict, *xs):
   return xs
 
 
-def _optional_operands(bias, mask, q_lens, kv_lens):
-  """The CUDA targets' optional operands (the bias in float32)."""
-  return shapes.optional_operands(None if bias is None else bias.astype(jnp.float32), mask,
-                                  q_lens, kv_lens, jnp.float32)
-
-
-def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias,
-                  mask, q_lens, kv_lens, out, lse, d_out, d_lse):
+def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, mask, q_lens,
+                  kv_lens, out, lse, d_out, d_lse):
   """Runs the backward kernels ``implementation`` plans for the call; returns
   (dq, dk, dv) in q's, k's and v's shapes and dtypes.
 
@@ -226,6 +237,7 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
   (then a pass of its own); it is rounded to q's dtype here. No gradient for
   the bias (``fastattn_jax.attention`` takes it elsewhere).
   """
+  _configured()
   B, T, N, H = q.shape
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None, backward=True)
@@ -234,11 +246,11 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
   q, k, v, d_out = _kernel_rows(p, q, k, v, d_out)
   # dQ in float32 where the dK/dV kernel adds it by atomics (variant backward 2).
   dq_dtype = jnp.float32 if p["backward"] == 2 else dtypes[0]
-  grads = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(
+  grads = kernel_call(BACKWARD_TARGET, tuple(
       jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
-                                                     (v, dtypes[0]))))(
-          q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens),
-          d_out, lse, delta, **attrs, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
+                                                     (v, dtypes[0]))),
+      config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta,
+      bias_dtype=jnp.float32, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 
 
@@ -269,7 +281,5 @@ def compile_variant(key: int, arch: str) -> dict:
     RuntimeError: no NVRTC can compile for ``arch``, or the variant does not
       exist there (the message says why).
   """
+  _configured()
   return _ffi.compile_kernel(key, arch)
-
-
-configure()

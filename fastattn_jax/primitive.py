@@ -253,16 +253,18 @@ def _partitioned(implementation: str, backward: bool):
 
 def _lowering(ctx, *operands, config, platform, backward):
   requested = None if config.implementation == "auto" else config.implementation
-  q_aval = ctx.avals_in[0]
-  implementation = backends.resolve_implementation(
-      requested, backend=platform, dtype=q_aval.dtype, head_dim=q_aval.shape[-1])
-  backends.log_path_once(implementation, platform)
+  q_aval, k_aval = ctx.avals_in[:2]
+  implementation, reason = backends.choose_forward(
+      requested, platform, dtype=q_aval.dtype, head_dim=q_aval.shape[-1])
+  fused = implementation in backends.FUSED_PATHS
   if backward:
-    k_aval = ctx.avals_in[1]
-    fused = backends.fused_backward(implementation, config, q_aval.shape, k_aval.shape,
-                                    q_aval.dtype, config.has_bias, config.has_mask)
+    path, reason = backends.choose_backward(implementation, config, q_aval.shape, k_aval.shape,
+                                            q_aval.dtype)
+    backends.log_path_once("backward", path, platform, reason,
+                           warn=fused and path == backends.BLOCKWISE)
+    fused = path == implementation
   else:
-    fused = implementation in backends.FUSED_PATHS
+    backends.log_path_once("forward", implementation, platform, reason)
   if fused:
     if getattr(ctx.module_context.axis_context, "num_devices", None) == 1:
       fn = lambda *ops: _call(implementation, backward, config, ops)

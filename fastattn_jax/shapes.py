@@ -56,6 +56,11 @@ class AttentionConfig:
   implementation: str = "auto"
   deterministic: bool = False
 
+  @property
+  def window_bounds(self) -> tuple[int, int]:
+    """``window`` as the kernels take it: (left, right), -1 for no bound."""
+    return self.window if self.window is not None else (-1, -1)
+
   def split_operands(self, operands):
     """Splits ``(q, k, v, *present optionals)`` into a 7-tuple with Nones."""
     q, k, v, *rest = operands
@@ -210,14 +215,3 @@ def static_float(name: str, x: Any, *, positive: bool = False) -> float:
     raise ValueError(
         f"{name} must be a finite{' positive' if positive else ''} number, got {x!r}")
   return value
-
-
-def optional_operands(bias, mask, q_lens, kv_lens, empty_bias_dtype):
-  """The kernel targets' bias, mask, query lengths and key lengths operands,
-  each absent one as an empty array (the handlers read it as "none"; an empty
-  bias of ``empty_bias_dtype``)."""
-  empty = lambda dtype: jnp.zeros((0,), dtype)
-  return (empty(empty_bias_dtype) if bias is None else bias,
-          empty(jnp.bool_) if mask is None else mask,
-          empty(jnp.int32) if q_lens is None else q_lens,
-          empty(jnp.int32) if kv_lens is None else kv_lens)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import _ffi, ascend, backends, fast_attention
+from fastattn_jax import _ffi, ascend, custom_calls, fast_attention
 from fastattn_jax.decode import decode_attention
 from fastattn_jax.shapes import AttentionConfig
 
@@ -91,7 +91,7 @@ def test_outputs_fully_written(rng):
   q_lens = jnp.array([37, 0], jnp.int32)
   operands, p = ascend.kernel_operands(q, k, v, q_lens=q_lens)
   path = ascend.library(SIM, p)
-  attrs = backends.rule_attrs(AttentionConfig(scale=1 / np.sqrt(40), is_causal=True))
+  attrs = custom_calls.rule_attrs(AttentionConfig(scale=1 / np.sqrt(40), is_causal=True))
   out_shape = jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype)
   lse_shape = jax.ShapeDtypeStruct(operands[0].shape[:3], jnp.float32)
 

@@ -1,5 +1,5 @@
 """Gradients of ``fast_attention`` (the fused backward where the path has one
-for the call, ``backends.fused_backward``; ``reference.attention_grads``
+for the call, ``backends.choose_backward``; ``reference.attention_grads``
 elsewhere) against the
 backward written out in float64 (``fa_testutil.reference64_grads``).
 
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
+import fastattn_jax
 from fastattn_jax import (_ffi, attention, backends, cuda, fast_attention, primitive,
                           reference, resolve_implementation)
 
@@ -40,9 +41,8 @@ def _floor(impl, name) -> float:
 
 def fused_backward(impl, q, k, **opts) -> bool:
   """Whether the path ``impl`` resolves to has a fused backward for the call."""
-  path = resolve_implementation(impl, dtype=q.dtype, head_dim=q.shape[-1])
-  config = attention.AttentionConfig(scale=q.shape[-1] ** -0.5, **opts)
-  return backends.fused_backward(path, config, q.shape, k.shape, q.dtype)
+  paths = fastattn_jax.explain(q, k, k, implementation=impl, **opts)
+  return paths.backward == paths.forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +335,7 @@ def test_cuda_backward_plan_rules():
     assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]
   qs, ks = (2, 1000, 8, 136), (2, 999, 2, 136)
   for path in ("cuda_sm70", "cuda_sm75"):  # H > 128: no backward kernel
-    assert not backends.fused_backward(path, config, qs, ks, jnp.float16)
+    assert backends.choose_backward(path, config, qs, ks, jnp.float16)[0] == backends.BLOCKWISE
     with pytest.raises(ValueError):
       cuda.plan(path, config, qs, ks, jnp.float16, backward=True)
   for path in ("cuda_sm80", "cuda_sm90"):  # kernel 80's column parts, up to H = 256
@@ -345,7 +345,7 @@ def test_cuda_backward_plan_rules():
     assert launch["blocks"] == -(-999 // 64) * 2 * 2 * 2 and launch["units"] == -(-1000 // 64) * 8 * 2
     assert launch["smem_bytes"] <= 163 * 1024  # an A100's
     big = (2, 10, 2, 264)
-    assert not backends.fused_backward(path, config, big, big, jnp.float16)
+    assert backends.choose_backward(path, config, big, big, jnp.float16)[0] == backends.BLOCKWISE
 
 
 def _ffi_launch(plan, q_shape, k_shape):

@@ -23,11 +23,13 @@ ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 
 
 @pytest.fixture
-def cache(tmp_path):
-  """An empty kernel cache for this test (restored afterwards)."""
-  _ffi.set_cache_dir(str(tmp_path))
+def cache(tmp_path, monkeypatch):
+  """An empty kernel cache for this test (the user's restored afterwards)."""
+  monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+  cuda.configure()
   yield tmp_path
-  _ffi.set_cache_dir(cuda.cache_dir())
+  monkeypatch.undo()
+  cuda.configure()
 
 
 def _key(kernel_sm, head_dim, dtype, out_dtype, extras=False, decode_rows=0):
@@ -62,12 +64,12 @@ def test_every_shipped_variant_compiles(arch, cache):
 
 def _compile_in_subprocess(cache_dir):
   code = (
-      "from fastattn_jax import _ffi, cuda\n"
-      f"_ffi.set_cache_dir({str(cache_dir)!r})\n"
+      "from fastattn_jax import cuda\n"
       f"r = cuda.compile_variant({_key(75, 64, 'float16', 'float16')}, 'sm_75')\n"
       "print(r['from_cache'])\n")
   return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir)})
 
 
 def test_concurrent_processes_share_the_cache(cache):

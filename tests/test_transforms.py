@@ -222,8 +222,9 @@ def test_float32_grads_match_xla_path(name, rng, impl):
   float32 (the CPU kernel, the blockwise jax.numpy backward of the paths
   without a fused one)."""
   path = resolve_implementation(impl, dtype=jnp.float32, head_dim=H)
-  if tu.computed_dtype(path, "float32") != "float32" and backends.fused_backward(
-      path, AttentionConfig(scale=0.25), (B, T, N, H), (B, S, K, H), jnp.float32, bias=True):
+  if tu.computed_dtype(path, "float32") != "float32" and backends.choose_backward(
+      path, AttentionConfig(scale=0.25, has_bias=True), (B, T, N, H), (B, S, K, H),
+      jnp.float32)[0] == path:
     pytest.skip("this path's backward kernels multiply float32 in float16, as its forward "
                 "does: test_backward holds them to XLA's gradients of inputs so rounded")
   q, k, v = tu.qkv(rng, B, T, S, N, K, H)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastattn_jax import _ffi, _util, cuda
+from fastattn_jax.custom_calls import kernel_call
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -278,14 +279,13 @@ def _compile(compiler, flags, sources, path):
 
 # --- the custom call -------------------------------------------------------------
 
-def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias=None,
-         mask=None, q_lens=None, kv_lens=None):
+def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
+         q_lens=None, kv_lens=None):
   """Runs the Ascend kernel of ``implementation``; returns (out, lse) of
   shapes (B, T, N, H) in q's dtype and (B, T, N) float32.
 
   The operands go to the kernel as ``kernel_operands`` prepares them (a
   bias or mask broadcast over T or S stays so: no T x S array).
-  ``attrs``: the rule attributes (``backends.rule_attrs``).
 
   Raises:
     Unavailable: the toolchain (or, for "ascend", CANN or an NPU) is missing.
@@ -296,9 +296,9 @@ def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bia
   path = library(implementation, p)
   if implementation == "ascend" and (why := unavailable("ascend")):
     raise Unavailable(why)
-  out, lse = jax.ffi.ffi_call(TARGETS[implementation], (
+  out, lse = kernel_call(TARGETS[implementation], (
       jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype),
-      jax.ShapeDtypeStruct((B, p["Tp"], N), jnp.float32)))(*operands, **attrs, library=path)
+      jax.ShapeDtypeStruct((B, p["Tp"], N), jnp.float32)), config, *operands, library=path)
   return out[:, :T, :, :H].astype(q.dtype), lse[:, :T]
 
 
