@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from benchmarks.bench import SUBJECT, WARMUP_SECONDS, int_list
-from fastattn_jax._util import median_seconds
-from fastattn_jax.decode import decode_attention
+from fastattn_jax import decode_attention
+from fastattn_jax.timing import median_seconds
 
 
 def _loop(attention, calls: int):

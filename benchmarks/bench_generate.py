@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import decode, resolve_implementation
-from fastattn_jax.decode import KVCache
+from fastattn_jax import KVCache, decode, resolve_implementation
 from fastattn_jax.models import gguf, llama
 
 #: Decode steps of each competitor that compile and warm up, untimed.

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from benchmarks.bench import WARMUP_SECONDS, int_list
 from fastattn_jax import parallel
-from fastattn_jax._util import median_seconds
+from fastattn_jax.timing import median_seconds
 
 
 def schedule_events(hlo_text: str) -> str:

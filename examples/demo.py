@@ -29,7 +29,7 @@ import numpy as np
 
 from examples.bert import encode, load_model, mean_pool_normalize, tokenize
 from fastattn_jax import fast_attention, resolve_implementation
-from fastattn_jax._util import median_seconds
+from fastattn_jax.timing import median_seconds
 
 TOLERANCE = 1e-5  # max abs deviation allowed between fast_attention and jax.nn (float32)
 

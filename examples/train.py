@@ -42,8 +42,8 @@ import numpy as np
 import optax
 import pydoc_data.topics
 
-from fastattn_jax.models import llama
 from fastattn_jax import fast_attention, resolve_implementation
+from fastattn_jax.models import llama
 
 
 def corpus() -> np.ndarray:

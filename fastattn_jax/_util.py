@@ -1,6 +1,6 @@
-"""Small helpers that the library and its examples and benchmarks share.
+"""Small helpers of the library's own modules (not public).
 
-``median_seconds`` times JAX calls and ``affine_fit`` fits them, ``host_cpu_device`` and ``sharding_of``
+``affine_fit`` fits measured times, ``host_cpu_device`` and ``sharding_of``
 name the host CPU device and place arrays, ``format_bytes`` prints sizes,
 ``sources_digest`` names a set of embedded kernel sources.
 """
@@ -9,47 +9,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import statistics
-import time
-from typing import Callable
 
-import humanize
 import jax
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
-                   calls: int = 1, warmup_seconds: float = 0.0) -> float:
-  """Median wall-clock seconds of one call of ``fn``, device work included.
-
-  Runs ``fn`` ``warmup`` times (compiles, fills caches), then on for
-  ``warmup_seconds`` more (a GPU left idle while a program compiles raises
-  its clocks over tens of milliseconds of work: a benchmark's first short
-  loops would time the slower clocks; the clock starts after the compiling
-  call, which would otherwise use the time up), then
-  takes ``repeats`` samples, each of ``calls`` calls in a row that waits
-  (``jax.block_until_ready``) for the last one's result: with several calls
-  the dispatch of one overlaps the device work of the one before, as in a
-  program. Returns the median sample divided by ``calls``, in seconds.
-
-  Raises:
-    ValueError: ``repeats`` or ``calls`` below 1, or ``warmup`` below 0.
-  """
-  if repeats < 1 or calls < 1 or warmup < 0:
-    raise ValueError(f"median_seconds: repeats={repeats} and calls={calls} must be >= 1, "
-                     f"warmup={warmup} >= 0")
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  start = time.perf_counter()
-  while time.perf_counter() - start < warmup_seconds:
-    jax.block_until_ready(fn())
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn()
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / calls)
-  return statistics.median(samples)
 
 
 @functools.cache
@@ -83,8 +44,13 @@ def affine_fit(sizes, seconds) -> tuple[float, float]:
 
 
 def format_bytes(nbytes: float) -> str:
-  """Bytes in binary units with two decimals: "1.50 GiB", "3.00 MiB"."""
-  return humanize.naturalsize(nbytes, binary=True, format="%.2f")
+  """Bytes in binary units with two decimals: "1.50 GiB", "3.00 MiB", "12 Bytes"."""
+  if abs(nbytes) < 1024:
+    return f"{int(nbytes)} Bytes"
+  for unit in ("KiB", "MiB", "GiB", "TiB"):
+    nbytes /= 1024
+    if abs(nbytes) < 1024 or unit == "TiB":
+      return f"{nbytes:.2f} {unit}"
 
 
 def sources_digest(sources: dict[str, str]) -> str:

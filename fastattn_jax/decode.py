@@ -153,6 +153,36 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   return (out, lse) if return_residual else out
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "implementation"), donate_argnums=(1, 2))
+def layer_attend(query, cache_k, cache_v, lengths, k_new, v_new, *, scale, implementation):
+  """Writes T new positions into one layer's cache and attends the T queries over it, jitted.
+
+  ``decode.write`` then ``decode_attention`` (FlashAttention-2's online
+  softmax with FastAttention's tiles, Lin et al. 2024) in one jitted call
+  with the caches donated, so they are updated in place wherever they live
+  (device memory, or the host CPU device for mode "host").
+
+  Args:
+    query: (B, T, N, H), a floating dtype.
+    cache_k, cache_v: (B, S_max, K, H) of query's dtype; donated (not to be
+      used after the call).
+    lengths: (B,) integer, positions written before this call.
+    k_new, v_new: (B, T, K, H).
+    scale, implementation: as in ``decode_attention`` (static).
+
+  Returns:
+    ``(out, cache_k, cache_v)``: out (B, T, N, H) in query's dtype, and the
+    caches with the new positions written.
+
+  Raises:
+    ValueError, TypeError: as ``decode.write`` and ``decode_attention``.
+  """
+  cache_k, cache_v = write(cache_k, cache_v, lengths, k_new, v_new)
+  out = decode_attention(query, cache_k, cache_v, lengths + k_new.shape[1], scale=scale,
+                         implementation=implementation)
+  return out, cache_k, cache_v
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -310,4 +340,3 @@ class KVCache:
       io_callback(functools.partial(_raise_if_past_end, T=T, S_max=self.max_len), None,
                   past_end, self.lengths)
     return dataclasses.replace(self, lengths=lengths)
-

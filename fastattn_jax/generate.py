@@ -44,25 +44,38 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from fastattn_jax import offload, resolve_implementation
-from fastattn_jax._util import format_bytes, host_cpu_device
-from fastattn_jax.models import gguf, llama
+from fastattn_jax.models import missing_extra
 
 #: How the program is run, for its usage line and error messages.
 PROG = "python -m fastattn_jax.generate"
+
+try:
+  import humanize
+  from tqdm.auto import tqdm
+
+  from fastattn_jax.models import gguf, llama
+except ImportError as err:
+  if __name__ == "__main__":
+    sys.exit(str(missing_extra(err, PROG)))
+  raise missing_extra(err, "fastattn_jax.generate") from err
 #: Device memory kept free beyond the plan (activations, logits, kernel
 #: workspace), on top of one layer's KV for the fill's transient buffers.
 DEVICE_MARGIN_BYTES = 3 << 29
 #: Positions of random keys/values drawn per loop step when filling the cache.
 FILL_CHUNK = 4096
+
+
+def _format_bytes(nbytes: float) -> str:
+  return humanize.naturalsize(nbytes, binary=True, format="%.2f")
 
 
 def _positive_int(text: str) -> int:
@@ -175,8 +188,8 @@ def _budgets(args, config, device):
     def budget(context):
       return max(free - DEVICE_MARGIN_BYTES - (context + args.new_tokens) * per_position, 0)
 
-    source = (f"free device memory {format_bytes(free)} after the weights, minus "
-              f"{format_bytes(DEVICE_MARGIN_BYTES)} and one layer's KV")
+    source = (f"free device memory {_format_bytes(free)} after the weights, minus "
+              f"{_format_bytes(DEVICE_MARGIN_BYTES)} and one layer's KV")
   else:
     # No memory statistics (the CPU backend): device and host share the RAM.
     fixed = int(0.45 * available)
@@ -253,8 +266,10 @@ def _build_cache(plan, prompt_k, prompt_v, key, *, device, host_device, progress
     return fill_fn(jax.random.fold_in(key, layer), prompt_k[layer], prompt_v[layer],
                    context=plan.context, length=length)
 
-  return offload.OffloadedKVCache.build(plan, fill, device=device, host_device=host_device,
-                                        progress=progress)
+  with tqdm(total=plan.num_layers, desc="filling the KV cache", unit="layer",
+            disable=not progress) as bar:
+    return offload.OffloadedKVCache.build(plan, fill, device=device, host_device=host_device,
+                                          on_layer=lambda _: bar.update())
 
 
 def _memory_report(device, kv_bytes):
@@ -325,14 +340,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(args, config: llama.LlamaConfig) -> dict:
   device = jax.devices()[0]
-  host_device = host_cpu_device()
+  host_device = offload.host_cpu_device()
   timings = {}
   start = time.perf_counter()
   params = jax.block_until_ready(llama.init_params(config, args.seed, device=device))
   timings["init_weights"] = time.perf_counter() - start
   print(f"{config.name}: {config.num_layers} layers, D={config.d_model}, N={config.num_heads}, "
         f"K={config.num_kv_heads}, H={config.head_dim}, {config.dtype}; weights "
-        f"{format_bytes(config.weight_bytes)} on {device} in "
+        f"{_format_bytes(config.weight_bytes)} on {device} in "
         f"{timings['init_weights']:.1f} s")
 
   B, L = args.batch, config.num_layers
@@ -359,8 +374,8 @@ def _run(args, config: llama.LlamaConfig) -> dict:
     context = args.context
   device_budget = device_budget_for(context)
   prompt_len = args.prompt_len or min(16, context)
-  print(f"device budget for the KV cache: {format_bytes(device_budget)} ({source}); "
-        f"host budget {format_bytes(host_budget)}")
+  print(f"device budget for the KV cache: {_format_bytes(device_budget)} ({source}); "
+        f"host budget {_format_bytes(host_budget)}")
 
   rates = None
   if args.offload != "none":
@@ -538,12 +553,12 @@ def _print_results(r: dict) -> None:
       f"decode: {r['tokens_per_s']:.2f} tokens/s (B={r['batch']}, context {r['context']}, "
       f"mode {r['plan']['mode']!r}); per-token latency mean {r['step_ms']['mean']:.2f} ms, "
       f"p50 {r['step_ms']['p50']:.2f} ms, p90 {r['step_ms']['p90']:.2f} ms" + predicted,
-      f"device memory: KV cache {format_bytes(mem['device_kv_bytes'])}; " + (
-          ", ".join(f"{name} {format_bytes(mem[name])}"
+      f"device memory: KV cache {_format_bytes(mem['device_kv_bytes'])}; " + (
+          ", ".join(f"{name} {_format_bytes(mem[name])}"
                     for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
                     if name in mem) or "no allocator statistics on this platform"),
-      f"host memory: KV cache {format_bytes(mem['host_kv_bytes'])}, process peak RSS "
-      f"{format_bytes(mem['process_peak_rss_bytes'])}",
+      f"host memory: KV cache {_format_bytes(mem['host_kv_bytes'])}, process peak RSS "
+      f"{_format_bytes(mem['process_peak_rss_bytes'])}",
       "timings: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in r["timings_s"].items()),
       f"tokens (sequence 0): {r['tokens'][0]}",
   ]

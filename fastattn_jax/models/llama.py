@@ -36,10 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from fastattn_jax import offload, parallel
-from fastattn_jax._util import sharding_of
-from fastattn_jax.attention import fast_attention
-from fastattn_jax.decode import KVCache
+from fastattn_jax import KVCache, fast_attention, offload, parallel
 
 Params = dict[str, Any]
 
@@ -204,7 +201,7 @@ def init_params(config: LlamaConfig, seed: int = 0, *, device=None) -> Params:
     "wv": (D, K*H), "wo": (N*H, D), "mlp_norm": (D,), "w_gate": (D, F),
     "w_up": (D, F), "w_down": (F, D)}]}``, arrays of ``config.dtype``.
   """
-  sharding = sharding_of(device or jax.devices()[0])
+  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
   key = jax.random.key(seed)
   layer_init = jax.jit(functools.partial(_init_layer, config), out_shardings=sharding)
   params = jax.jit(functools.partial(_init_top, config), out_shardings=sharding)(

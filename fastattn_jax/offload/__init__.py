@@ -45,6 +45,7 @@ new_tokens (the prefix of ``context`` positions, then room for
 ``new_tokens`` decoded ones).
 """
 
+from fastattn_jax._util import host_cpu_device
 from fastattn_jax.offload.cache import OffloadedKVCache
 from fastattn_jax.offload.planner import (GiB, MODES, OffloadError, OffloadPlan, Prediction,
                                           available_host_bytes, longest_context, plan_offload)
@@ -53,4 +54,4 @@ from fastattn_jax.offload.schedule import Decoder, decode_step
 
 __all__ = ["Decoder", "GiB", "MODES", "OffloadError", "OffloadPlan", "OffloadedKVCache",
            "Prediction", "Rates", "available_host_bytes", "decode_step", "has_pinned_host",
-           "longest_context", "measure_rates", "plan_offload"]
+           "host_cpu_device", "longest_context", "measure_rates", "plan_offload"]

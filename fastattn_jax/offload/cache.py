@@ -18,44 +18,13 @@ from typing import TYPE_CHECKING, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import fast_attention
-from fastattn_jax.decode import KVCache, decode_attention, write
+from fastattn_jax.decode import KVCache, decode_attention, layer_attend, write
 
 if TYPE_CHECKING:
   from fastattn_jax.offload.planner import OffloadPlan
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "implementation"), donate_argnums=(1, 2))
-def layer_attend(query, cache_k, cache_v, lengths, k_new, v_new, *, scale, implementation):
-  """Writes T new positions into one layer's cache and attends the T queries over it, jitted.
-
-  ``decode.write`` then ``decode_attention`` (FlashAttention-2's online
-  softmax with FastAttention's tiles, Lin et al. 2024) in one jitted call
-  with the caches donated, so they are updated in place wherever they live
-  (device memory, or the host CPU device for mode "host").
-
-  Args:
-    query: (B, T, N, H), a floating dtype.
-    cache_k, cache_v: (B, S_max, K, H) of query's dtype; donated (not to be
-      used after the call).
-    lengths: (B,) integer, positions written before this call.
-    k_new, v_new: (B, T, K, H).
-    scale, implementation: as in ``decode_attention`` (static).
-
-  Returns:
-    ``(out, cache_k, cache_v)``: out (B, T, N, H) in query's dtype, and the
-    caches with the new positions written.
-
-  Raises:
-    ValueError, TypeError: as ``decode.write`` and ``decode_attention``.
-  """
-  cache_k, cache_v = write(cache_k, cache_v, lengths, k_new, v_new)
-  out = decode_attention(query, cache_k, cache_v, lengths + k_new.shape[1], scale=scale,
-                         implementation=implementation)
-  return out, cache_k, cache_v
 
 
 def _merge(out_a, lse_a, out_b, lse_b, dtype):
@@ -136,7 +105,7 @@ class OffloadedKVCache:
 
   @classmethod
   def build(cls, plan: OffloadPlan, fill: Callable[[int, int], tuple], *, device=None,
-            host_device=None, progress: bool = False) -> "OffloadedKVCache":
+            host_device=None, on_layer: Callable[[int], None] | None = None) -> "OffloadedKVCache":
     """Fills each layer's cache from ``fill`` and places it as ``plan`` says, one layer at a time.
 
     Host-resident layers come first, each copied to host memory and waited for
@@ -151,8 +120,9 @@ class OffloadedKVCache:
         being written.
       device: the accelerator (default ``jax.devices()[0]``).
       host_device: the CPU device for mode "host" (default
-        ``_util.host_cpu_device()``).
-      progress: show a tqdm bar over the layers.
+        ``offload.host_cpu_device()``).
+      on_layer: called with each layer's index once it is placed (a
+        progress bar's hook).
 
     Returns:
       The cache, ``lengths`` = context for every sequence.
@@ -182,7 +152,7 @@ class OffloadedKVCache:
                         out_shardings=sharding_of(device))
     device_k, device_v = [], []
     order = (*plan.host_layers, *plan.device_layers)
-    for layer in tqdm(order, desc="filling the KV cache", unit="layer", disable=not progress):
+    for layer in order:
       if layer in plan.host_layers:
         if plan.mode == "stream":
           target = sharding_of(device, "pinned_host")
@@ -198,6 +168,8 @@ class OffloadedKVCache:
         k, v = get(layer, plan.max_len)
         device_k.append(jax.block_until_ready(k))
         device_v.append(jax.block_until_ready(v))
+      if on_layer is not None:
+        on_layer(layer)
     lengths = np.full((plan.batch,), plan.context, np.int32)
     device_cache = KVCache(k=tuple(device_k), v=tuple(device_v),
                            lengths=jax.device_put(lengths, device))

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax._util import affine_fit, host_cpu_device, median_seconds, sharding_of
-from fastattn_jax.offload.cache import layer_attend
+from fastattn_jax._util import affine_fit, host_cpu_device, sharding_of
+from fastattn_jax.timing import median_seconds
+from fastattn_jax.decode import layer_attend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,7 @@ def measure_rates(batch: int = 1, query_heads: int = 32, kv_heads: int = 8, head
     q, k_new, v_new from the device and of the output back included.
 
   Each is the median of ``repeats`` runs after a warm-up run
-  (``_util.median_seconds``); the two contexts give the affine model
+  (``timing.median_seconds``); the two contexts give the affine model
   ``fixed_s + bytes / bytes_per_s`` (bytes of KV read: 2 * B * S * K * H *
   itemsize), which the planner extrapolates to long contexts (linear in the
   KV bytes, as the kernels are memory-bound there). The operations are those
@@ -111,7 +112,7 @@ def measure_rates(batch: int = 1, query_heads: int = 32, kv_heads: int = 8, head
       multiple of K).
     dtype: the KV cache dtype.
     device: the accelerator (default ``jax.devices()[0]``).
-    host_device: the CPU device (default ``_util.host_cpu_device()``; None
+    host_device: the CPU device (default ``offload.host_cpu_device()``; None
       there: no host rates).
     contexts: two cache lengths S1 < S2 (tokens).
     transfer_bytes: bytes of the timed host-to-device copy.

@@ -22,7 +22,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from fastattn_jax._util import affine_fit, median_seconds
+from fastattn_jax._util import affine_fit
+from fastattn_jax.timing import median_seconds
 from fastattn_jax.attention import fast_attention
 from fastattn_jax.parallel.layout import TensorParallel, compiler_options
 
@@ -220,7 +221,7 @@ def measure_rates(tp: TensorParallel, d_model: int, dtype=jnp.bfloat16, *,
     t_attention), within [0, 1];
 
   each at the two row counts of ``rows`` (median of ``repeats`` samples of
-  ``calls`` calls in a row after a warm-up, ``_util.median_seconds``: the
+  ``calls`` calls in a row after a warm-up, ``timing.median_seconds``: the
   host's dispatch of one call overlaps the device work of the one before, as
   inside one compiled block), fitted to ``fixed + size / rate``
   (``_util.affine_fit``).
