@@ -8,6 +8,8 @@ lowering asked (``csrc/cuda/variants.h`` through ``fastattn_jax.cuda``; the CPU
 kernel's own planner) and with the buffer sizes in the compiled program.
 """
 
+import os
+import platform
 import re
 
 import jax
@@ -106,3 +108,28 @@ def test_cpu_prefill_and_decode_run_what_the_planner_planned(rng):
     record = _check_cpu_plan(1, 1, 20000, 8, 2, 64)
     assert record["decode"] and record["items"] == record["splits"]
     assert record["splits"] == min(record["pool_threads"], 20000 // 1024)
+
+
+def _cpu_flags() -> set[str]:
+  with open("/proc/cpuinfo") as f:
+    return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                set())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
+                    not os.path.exists("/proc/cpuinfo"), reason="reads x86 Linux's CPU flags")
+def test_cpu_kernel_uses_the_widest_vectors_the_cpu_has(rng):
+  """The instruction set the CPU kernel picks at run time is the widest the
+  CPU reports: a build whose feature detection fails (zig's runtime leaves
+  __builtin_cpu_supports empty) falls back to SSE2, 4-5x slower."""
+  flags = _cpu_flags()
+  if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+    expected = 16
+  elif {"avx2", "fma"} <= flags:
+    expected = 8
+  else:
+    expected = 4
+  with jax.default_device(jax.devices("cpu")[0]):
+    q, k, v = tu.qkv(rng, 1, 70, 90, 2, 2, 32)
+    jax.block_until_ready(fast_attention(q, k, v, implementation="cpu"))
+  assert _ffi.recorded_plans()["cpu"]["lanes"] == expected

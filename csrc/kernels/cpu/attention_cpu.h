@@ -70,11 +70,14 @@ struct CpuPlan {
   int64_t items = 0;     // work items
   int64_t workers = 1;   // workers that take items (the calling thread included)
   int64_t scratch_floats = 0;  // working memory per worker
+  int64_t lanes = 0;     // floats per vector: the instruction set chosen at run time (16:
+                         // AVX-512, 8: AVX2 + FMA, 4: SSE2 or NEON)
 
   // Every field above by name, for logs and Python.
   std::vector<std::pair<std::string, int64_t>> Facts() const {
     return {{"decode", decode}, {"Br", Br}, {"Bc", Bc}, {"Bb", Bb}, {"splits", splits},
-            {"items", items}, {"workers", workers}, {"scratch_floats", scratch_floats}};
+            {"items", items}, {"workers", workers}, {"scratch_floats", scratch_floats},
+            {"lanes", lanes}};
   }
 };
 
