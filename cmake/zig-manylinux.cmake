@@ -1,0 +1,12 @@
+# A CMake toolchain for manylinux wheels (make wheel): zig's clang, from the
+# ziglang package on PyPI, compiling against the symbol versions of glibc 2.17
+# (manylinux2014, the oldest glibc JAX's own wheels ask for is newer) and
+# linking LLVM's libc++ in statically, so the extension needs no C++ runtime
+# of the user's machine. ZIG names the zig executable.
+if(NOT DEFINED ENV{ZIG})
+  message(FATAL_ERROR "zig-manylinux.cmake: set ZIG to the zig executable "
+                      "(make wheel takes it from the ziglang package)")
+endif()
+set(_target "${CMAKE_HOST_SYSTEM_PROCESSOR}-linux-gnu.2.17")
+set(CMAKE_C_COMPILER "$ENV{ZIG}" cc -target ${_target})
+set(CMAKE_CXX_COMPILER "$ENV{ZIG}" c++ -target ${_target})
