@@ -4,7 +4,7 @@ What it measures, for each shape of a grid chosen per platform (the forward
 pass, or with ``--backward`` forward + backward, ``jax.grad`` of sum(out^2);
 jitted, inputs already on the device):
 
-* time: ``fastattn_jax._util.median_seconds`` of the compiled function
+* time: ``fastattn_jax.timing.median_seconds`` of the compiled function
   after a warm-up call: the median of loops of calls (20 on GPUs, 1 on the
   CPU) that wait for the last call; the number of loops adapts to the cost
   of one so that large shapes stay affordable;
@@ -57,6 +57,7 @@ import platform
 import sys
 from typing import Callable, NamedTuple
 
+import humanize
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +65,7 @@ from tqdm import tqdm
 
 import fastattn_jax
 from fastattn_jax import ascend, fast_attention, resolve_implementation
-from fastattn_jax._util import format_bytes, median_seconds
+from fastattn_jax.timing import median_seconds
 
 SUBJECT = "fastattn"
 # Each competitor runs this long before it is timed: GPU clocks fall while a
@@ -108,10 +109,18 @@ class Case:
 
 
 class Competitor(NamedTuple):
-  """An attention function to time: ``make(case)`` returns ``f(q, k, v)``."""
+  """An attention function to time: ``make(case)`` returns ``f(q, k, v)``, a
+  JAX function; with ``native``, ``make(case, q, k, v)`` returns a function of
+  no arguments that runs the whole measured computation outside JAX (another
+  framework's attention on its own copies of the inputs) and waits for it."""
   name: str
-  make: Callable[[Case], Callable]
+  make: Callable[..., Callable]
   materializes_logits: bool
+  native: bool = False
+
+
+def _format_bytes(nbytes: float) -> str:
+  return humanize.naturalsize(nbytes, binary=True, format="%.2f")
 
 
 def _fast(case: Case) -> Callable:
@@ -140,7 +149,9 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
   ("cpu", "gpu"), for inputs of ``dtype`` (a dtype name such as "bfloat16":
   it picks fast_attention's default path).
 
-  Everywhere jax.nn with "xla"; on GPUs also jax.nn with "cudnn", and
+  Everywhere jax.nn with "xla"; on the CPU also PyTorch's fused
+  scaled_dot_product_attention where torch is installed; on GPUs jax.nn with
+  "cudnn", and
   fast_attention forced onto the older kernel paths the GPU also runs
   ("cuda_sm80" under a "cuda_sm90" default, "cuda_sm75" under either), to
   time them on the same silicon. With ``backward`` under a "cuda_sm90"
@@ -154,6 +165,8 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
       Competitor(SUBJECT, _fast, materializes_logits=fast_path == "xla"),
       Competitor("xla", _jax_nn("xla"), materializes_logits=True),
   ]
+  if backend == "cpu":
+    comps += _torch_competitors()
   if backend == "cpu" and not backward:
     comps += _ascend_competitors()
   if backend == "cuda":
@@ -165,6 +178,37 @@ def competitors(platform_name: str, dtype: str, backward: bool = False) -> list[
     if fast_path == "cuda_sm90" and backward:
       comps.append(Competitor("fastattn_deterministic", _deterministic, materializes_logits=False))
   return comps
+
+
+def _torch_competitors() -> list[Competitor]:
+  """PyTorch's ``scaled_dot_product_attention`` on the CPU (its fused
+  FlashAttention-style CPU kernel), where torch is installed; forward, or
+  with ``case.backward`` forward + backward of sum(out^2) by autograd, timed
+  natively (no JAX in the loop) on the same inputs, BSND -> BNSD."""
+  try:
+    import torch
+  except ImportError:
+    return []
+
+  def make(case: Case, q, k, v) -> Callable:
+    def tensor(x):
+      return torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(
+          getattr(torch, case.dtype)).transpose(1, 2).contiguous().requires_grad_(case.backward)
+
+    tq, tk, tv = tensor(q), tensor(k), tensor(v)
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention,
+                             is_causal=case.causal, enable_gqa=case.N != case.K)
+
+    def run() -> None:
+      if case.backward:
+        torch.autograd.grad(sdpa(tq, tk, tv).float().square().sum(), (tq, tk, tv))
+      else:
+        with torch.no_grad():
+          sdpa(tq, tk, tv)
+
+    return run
+
+  return [Competitor("torch_sdpa", make, materializes_logits=False, native=True)]
 
 
 def _ascend_competitors() -> list[Competitor]:
@@ -297,6 +341,11 @@ def run_case(case: Case, comps: list[Competitor], budget_bytes: int,
   for comp in comps:
     result = {"memory": {}, "skipped": None}
     results[comp.name] = result
+    if comp.native:
+      seconds, repeats = time_compiled(comp.make(case, *args), (), time_budget_s, max_repeats,
+                                       calls_per_loop)
+      result.update(ms=seconds * 1e3, repeats=repeats, gflops=case.flops() / seconds / 1e9)
+      continue
     fn = comp.make(case)
     if case.backward:
       fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(jnp.square(f(q, k, v).astype(jnp.float32))),
@@ -348,7 +397,7 @@ def format_table(rows: list[dict], names: list[str], platform_name: str) -> str:
       cells += ([f"{r['ms']:.3f}", f"{r['gflops'] / per_unit:.1f}"] if "ms" in r
                 else ["skip", "-"])
     cells += [f"{row['speedup'][n]:.2f}x" if n in row["speedup"] else "-" for n in others]
-    cells += [format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
+    cells += [_format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
               for n in names]
     lines.append([str(x) for x in cells])
   widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
@@ -379,7 +428,7 @@ def _length_label(n: int) -> str:
 
 
 def _panel_title(cases: list[dict]) -> str:
-  """dtype and H of a panel's cases, with N and the batch where they are fixed."""
+  """dtype, H and causality of a panel's cases, with N and the batch where they are fixed."""
   parts = [cases[0]["dtype"], f"H={cases[0]['H']}"]
   if len({c["N"] for c in cases}) == 1:
     parts.append(f"N={cases[0]['N']}")
@@ -387,21 +436,40 @@ def _panel_title(cases: list[dict]) -> str:
     parts.append(f"B={cases[0]['B']}")
   elif len({c["B"] * c["S"] for c in cases}) == 1:
     parts.append(f"B·S={cases[0]['B'] * cases[0]['S']}")
+  parts.append("causal" if cases[0]["causal"] else "non-causal")
   return ", ".join(parts)
+
+
+def _label_line_ends(ax, ends: list[tuple[float, float, str, str]]) -> None:
+  """Writes each line's name right of its last point, (x, y, text, colour),
+  moved apart vertically so that no two overlap (a legend-free plot)."""
+  if not ends:
+    return
+  log = ax.get_yscale() == "log"
+  to_axis = (lambda y: np.log10(y)) if log else (lambda y: y)
+  from_axis = (lambda y: 10 ** y) if log else (lambda y: y)
+  low, high = (to_axis(y) for y in ax.get_ylim())
+  gap = 0.07 * (high - low)
+  placed = []
+  for x, y, text, color in sorted(ends, key=lambda e: e[1]):
+    y = to_axis(y)
+    y = max(y, placed[-1] + gap) if placed else y
+    placed.append(y)
+    ax.annotate(text, (x, from_axis(y)), xytext=(6, 0), textcoords="offset points",
+                va="center", color=color, fontsize=9, annotation_clip=False)
 
 
 def plot(rows: list[dict], *, platform_name: str, title: str):
   """Draws the T = S rows of a run (``run_case`` rows, as in ``bench.json``).
 
-  One column of panels per (dtype, head dim H); x is the sequence length
-  T = S on a log2 axis. Top: throughput in ``throughput_unit(platform_name)``
-  (TFLOP/s on GPUs), one line per (implementation, causal): colour per
-  implementation, solid non-causal, dashed causal. Below: each fastattn
-  entry's speed divided by the fastest competitor's at that point
+  One column of panels per (dtype, head dim H, causal); x is the sequence
+  length T = S on a log2 axis. Top: throughput in
+  ``throughput_unit(platform_name)`` (TFLOP/s on GPUs), one line per
+  implementation, named at its end (no legend). Below: each fastattn entry's
+  speed divided by the fastest competitor's at that point
   (``best_competitor_ratio``), with the line at 1.0. Off GPUs a third row
   shows XLA's compiled scratch memory (``temp_size_in_bytes``, log scale).
-  One legend for the figure, below the panels. Rows with T != S (decode) and
-  untimed results are left out.
+  Rows with T != S (decode) and untimed results are left out.
 
   Returns:
     a ``matplotlib.figure.Figure`` (not registered with pyplot; save it
@@ -411,7 +479,6 @@ def plot(rows: list[dict], *, platform_name: str, title: str):
     ValueError: no row has T = S.
   """
   from matplotlib.figure import Figure
-  from matplotlib.lines import Line2D
   from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
   square = [r for r in rows if r["case"]["T"] == r["case"]["S"]]
@@ -421,41 +488,42 @@ def plot(rows: list[dict], *, platform_name: str, title: str):
   names = list(dict.fromkeys(n for r in square for n in r["results"]))
   ours = [n for n in names if n.startswith(SUBJECT)]
   rivals = [n for n in names if not n.startswith(SUBJECT)]
-  rival_label = (f"fastest of\n{', '.join(rivals)}" if len(rivals) > 1
-                 else "".join(rivals) or "competitor")
+  rival_label = f"fastest of {', '.join(rivals)}" if len(rivals) > 1 else "".join(rivals)
   color = {n: f"C{i}" for i, n in enumerate(names)}
-  style = {False: dict(ls="-", marker="o"), True: dict(ls="--", marker="s")}
-  groups = sorted({(r["case"]["dtype"], r["case"]["H"]) for r in square})
+  groups = sorted({(r["case"]["dtype"], r["case"]["H"], r["case"]["causal"]) for r in square})
   panel_rows = 2 if platform_name == "gpu" else 3
-  fig = Figure(figsize=(max(8.0, 4.8 * len(groups) + 0.6), 3.2 * panel_rows + 1.5),
+  fig = Figure(figsize=(max(8.0, 4.6 * len(groups) + 0.6), 3.0 * panel_rows + 1.0),
                layout="constrained")
   grid = fig.add_gridspec(panel_rows, len(groups), height_ratios=(3, 2, 2)[:panel_rows])
   lengths = sorted({r["case"]["S"] for r in square})
 
   for col, group in enumerate(groups):
-    sel = sorted((r for r in square if (r["case"]["dtype"], r["case"]["H"]) == group),
+    sel = sorted((r for r in square
+                  if (r["case"]["dtype"], r["case"]["H"], r["case"]["causal"]) == group),
                  key=lambda r: r["case"]["S"])
     axes = [fig.add_subplot(grid[0, col])]
     axes += [fig.add_subplot(grid[i, col], sharex=axes[0]) for i in range(1, panel_rows)]
-    for causal in (False, True):
-      pts = [r for r in sel if r["case"]["causal"] == causal]
-      for name in names:
-        timed = [r for r in pts if "gflops" in r["results"].get(name, {})]
-        axes[0].plot([r["case"]["S"] for r in timed],
-                     [r["results"][name]["gflops"] / per_unit for r in timed],
-                     color=color[name], **style[causal])
-        if panel_rows == 3:  # compiled, even where not timed; 0 B drawn as 1 B (log scale)
-          scratch = [(r["case"]["S"], r["results"][name]["memory"]["temp_size_in_bytes"])
-                     for r in pts if "temp_size_in_bytes" in r["results"][name]["memory"]]
-          axes[2].plot([x for x, _ in scratch], [max(y, 1) for _, y in scratch],
-                       color=color[name], **style[causal])
-      for name in ours:
-        ratios = [(r["case"]["S"], best_competitor_ratio(r["results"], name)) for r in pts]
-        ratios = [(x, y) for x, y in ratios if y is not None]
-        axes[1].plot([x for x, _ in ratios], [y for _, y in ratios], color=color[name],
-                     **style[causal])
-    axes[0].set(title=_panel_title([r["case"] for r in sel]),
-                ylabel=f"{unit} (visible pairs)")
+    ends = [[] for _ in axes]
+    for name in names:
+      timed = [r for r in sel if "gflops" in r["results"].get(name, {})]
+      if timed:
+        xs = [r["case"]["S"] for r in timed]
+        ys = [r["results"][name]["gflops"] / per_unit for r in timed]
+        axes[0].plot(xs, ys, color=color[name], marker="o")
+        ends[0].append((xs[-1], ys[-1], name, color[name]))
+      if panel_rows == 3:  # compiled, even where not timed; 0 B drawn as 1 B (log scale)
+        scratch = [(r["case"]["S"], max(r["results"][name]["memory"]["temp_size_in_bytes"], 1))
+                   for r in sel if "temp_size_in_bytes" in r["results"][name]["memory"]]
+        if scratch:
+          axes[2].plot(*zip(*scratch), color=color[name], marker="o")
+          ends[2].append((*scratch[-1], name, color[name]))
+    for name in ours:
+      ratios = [(r["case"]["S"], best_competitor_ratio(r["results"], name)) for r in sel]
+      ratios = [(x, y) for x, y in ratios if y is not None]
+      if ratios:
+        axes[1].plot(*zip(*ratios), color=color[name], marker="o")
+        ends[1].append((*ratios[-1], f"{name} {ratios[-1][1]:.2f}x", color[name]))
+    axes[0].set(title=_panel_title([r["case"] for r in sel]), ylabel=f"{unit} (visible pairs)")
     axes[0].set_ylim(bottom=0)
     axes[1].axhline(1.0, color="black", lw=1)
     axes[1].set(ylabel=f"speed ÷ {rival_label}")
@@ -464,23 +532,15 @@ def plot(rows: list[dict], *, platform_name: str, title: str):
       axes[2].set(yscale="log", ylabel="compiled scratch memory\n(XLA memory analysis)")
       axes[2].yaxis.set_major_locator(LogLocator(base=2, numticks=8))
       axes[2].yaxis.set_minor_locator(NullLocator())
-      axes[2].yaxis.set_major_formatter(FuncFormatter(lambda y, _: format_bytes(y)))
+      axes[2].yaxis.set_major_formatter(FuncFormatter(lambda y, _: _format_bytes(y)))
     axes[-1].set_xlabel("sequence length T = S")
-    for ax in axes:
+    for ax, labels in zip(axes, ends):
       ax.set_xscale("log", base=2)
       ax.set_xticks(lengths, [_length_label(n) for n in lengths])
       ax.xaxis.set_minor_locator(NullLocator())
+      ax.set_xlim(lengths[0] / 1.3, lengths[-1] * 3.2)  # room for the line names
       ax.grid(True, alpha=0.3)
-
-  handles = [Line2D([], [], color=color[n], lw=2, label=n) for n in names]
-  handles += [Line2D([], [], color="gray", label=label, **style[causal])
-              for causal, label in ((False, "non-causal"), (True, "causal"))]
-  handles.append(Line2D([], [], color="black", lw=1,
-                        label="1.0: as fast as the fastest competitor"))
-  # As many columns as the figure's width holds (about 2.6 inches each, the
-  # longest label's), in rows below the panels.
-  fig.legend(handles=handles, loc="outside lower center",
-             ncols=max(1, min(len(handles), int(fig.get_figwidth() / 2.6))))
+      _label_line_ends(ax, labels)
   fig.suptitle(title)
   return fig
 
