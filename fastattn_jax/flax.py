@@ -164,10 +164,12 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
                                           batch),
       return_residual=True)
   # A row that sees no key has an LSE of -inf; Flax gives it the mean of all
-  # the values (each query head reads key/value head n // (N // K)).
-  N, K = q.shape[2], k.shape[2]
-  mean_v = jnp.repeat(jnp.mean(v, axis=1), N // K, axis=1)
-  out = jnp.where(jnp.isneginf(lse)[..., None], mean_v[:, None], out)
+  # the values (each query head reads key/value head n // (N // K)). Only a
+  # mask or lengths can hide every key from a row (causality leaves key 0).
+  if mask is not None or query_seq_lengths is not None or key_value_seq_lengths is not None:
+    N, K = q.shape[2], k.shape[2]
+    mean_v = jnp.repeat(jnp.mean(v, axis=1), N // K, axis=1)
+    out = jnp.where(jnp.isneginf(lse)[..., None], mean_v[:, None], out)
   return out.reshape(batch + out.shape[1:])
 
 
