@@ -23,7 +23,8 @@ APPLICATION_PACKAGES = ("gguf", "tokenizers", "jinja2", "tqdm", "humanize", "fla
                         "hypothesis", "ziglang", "nanobind")
 #: The library's modules: what ``import fastattn_jax`` and its public parts load.
 LIBRARY_MODULES = ("fastattn_jax", "fastattn_jax.offload", "fastattn_jax.parallel",
-                   "fastattn_jax.ascend", "fastattn_jax.timing", "fastattn_jax.precompile")
+                   "fastattn_jax.flax", "fastattn_jax.ascend", "fastattn_jax.timing",
+                   "fastattn_jax.precompile")
 
 _BLOCKER = textwrap.dedent(f"""
     import importlib.abc, sys
