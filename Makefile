@@ -60,7 +60,8 @@ wheel: $(WHEEL_VENV)/.installed $(SOURCES)
 	ZIG="$$($(WHEEL_VENV)/bin/python -c 'import os, ziglang; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')" \
 	  $(WHEEL_VENV)/bin/python -m build --wheel --outdir build/wheel-raw \
 	  -C cmake.define.CMAKE_TOOLCHAIN_FILE=$(abspath cmake/zig-manylinux.cmake)
-	$(WHEEL_VENV)/bin/auditwheel repair --wheel-dir dist build/wheel-raw/*.whl
+	PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" $(WHEEL_VENV)/bin/auditwheel repair --wheel-dir dist \
+	  build/wheel-raw/*.whl
 
 # The wheel in a fresh venv outside the checkout, with nothing but its own
 # dependencies and pytest: the build, FFI registration and CPU numerics tests
@@ -70,7 +71,9 @@ wheel-test: wheel
 	  $(PYTHON) -m venv "$$tmp/venv"; \
 	  wheel="$$(ls -t dist/fastattn_jax-*.whl | head -1)"; \
 	  "$$tmp/venv/bin/pip" install -q "$$wheel" pytest pytest-xdist; \
-	  cd "$$tmp" && venv/bin/python -m pytest -n 2 -p no:cacheprovider --rootdir "$$tmp" \
+	  cd "$$tmp" && venv/bin/python -c "import fastattn_jax, sys; \
+	    assert fastattn_jax.__file__.startswith(sys.prefix), fastattn_jax.__file__"; \
+	  venv/bin/python -m pytest -n 2 -p no:cacheprovider --rootdir "$$tmp" -o pythonpath= \
 	    $(addprefix $(CURDIR)/tests/,test_build.py test_imports.py test_numerics.py)
 
 # The extension built by Bazel (bazel/) instead of CMake, offline, copied into
