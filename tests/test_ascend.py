@@ -11,6 +11,9 @@ The NPU path (``"ascend"``) cannot run here: the tests check that it says
 what is missing.
 """
 
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +116,22 @@ def test_outputs_fully_written(rng):
   T, H = q.shape[1], q.shape[3]
   assert tu.max_err(out[:, :T, :, :H], ref_out) < 2e-2
   np.testing.assert_array_equal(np.isinf(lse[:, :T]), np.isinf(ref_lse))
+
+
+# --- the simulator library: what it needs to load ------------------------------
+
+@needs_sim
+def test_kernel_library_resolves_every_symbol():
+  """The bfloat16 kernel (whose float -> bfloat16 conversions clang lowers to
+  compiler-rt's __truncsfbf2 on the baseline CPU) leaves no symbol undefined
+  that its own dependencies (the C library) do not define: ``ldd -r``
+  resolves them as the loader does, without this process's libraries."""
+  if shutil.which("ldd") is None:
+    pytest.skip("no ldd (glibc's) to resolve the library's symbols")
+  path = ascend.library(SIM, ascend.plan((2, 37, 4, 40), (2, 150, 2, 40), jnp.bfloat16))
+  done = subprocess.run(["ldd", "-r", path], capture_output=True, text=True)
+  assert done.returncode == 0 and "undefined symbol" not in done.stdout + done.stderr, (
+      done.stdout + done.stderr)
 
 
 # --- the plan: tiles against the 910B's buffers -------------------------------

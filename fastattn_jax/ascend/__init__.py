@@ -144,15 +144,20 @@ def fetch_pto() -> str:
 
 
 def sim_compiler() -> list[str]:
-  """The command of a clang >= 19 C++ compiler: the ``ziglang`` package's,
-  else ``clang++-19`` or newer, or ``clang++``, on PATH.
+  """The command of a clang >= 19 C++ compiler for the baseline CPU of this
+  machine's architecture: the ``ziglang`` package's, else ``clang++-19`` or
+  newer, or ``clang++``, on PATH.
 
   Raises:
     Unavailable: none found.
   """
   try:
     import ziglang  # noqa: F401  (the package ships clang as `zig c++`)
-    return [sys.executable, "-m", "ziglang", "c++"]
+    # zig compiles for the CPU it runs on unless told otherwise (clang does
+    # not): then a library in a shared cache could use instructions another
+    # host lacks, and which runtime functions it calls (the float -> bfloat16
+    # conversion's, sim/stdfloat) would depend on the machine that built it.
+    return [sys.executable, "-m", "ziglang", "c++", "-mcpu=baseline"]
   except ImportError:
     pass
   for name in [f"clang++-{v}" for v in range(30, _MIN_CLANG - 1, -1)] + ["clang++"]:
