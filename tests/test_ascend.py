@@ -11,6 +11,8 @@ The NPU path (``"ascend"``) cannot run here: the tests check that it says
 what is missing.
 """
 
+import os
+import re
 import shutil
 import subprocess
 
@@ -132,6 +134,20 @@ def test_kernel_library_resolves_every_symbol():
   done = subprocess.run(["ldd", "-r", path], capture_output=True, text=True)
   assert done.returncode == 0 and "undefined symbol" not in done.stdout + done.stderr, (
       done.stdout + done.stderr)
+
+
+@needs_sim
+def test_build_refuses_a_library_with_an_undefined_symbol(tmp_path):
+  """A library the toolchain links with a symbol nothing it loads defines
+  raises, naming the symbol and the compiler, and does not enter the cache."""
+  folder = tmp_path / "ascend"
+  source = 'extern "C" void fastattn_absent();\nextern "C" void f() { fastattn_absent(); }\n'
+  compiler = ascend.sim_compiler()
+  with pytest.raises(RuntimeError, match=re.escape(" ".join(compiler)) +
+                     r" linked a library that does not load.*undefined symbol: fastattn_absent"):
+    ascend._compile(compiler, ["-shared", "-fPIC"], {"ascend/attention_ascend.cpp": source},
+                    str(folder / "lib.so"))
+  assert os.listdir(folder) == []
 
 
 # --- the plan: tiles against the 910B's buffers -------------------------------
