@@ -150,6 +150,28 @@ def test_build_refuses_a_library_with_an_undefined_symbol(tmp_path):
   assert os.listdir(folder) == []
 
 
+@needs_sim
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch, caplog):
+  """A library in the cache that does not load (here not even an ELF file)
+  is built again in its place, not handed to the FFI handler."""
+  monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(ascend, "_built", {})
+  p = ascend.plan((1, 16, 2, 32), (1, 16, 2, 32), jnp.float16)
+
+  def broken(compiler, flags, sources, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      f.write("not an ELF file")
+
+  with monkeypatch.context() as m:
+    m.setattr(ascend, "_compile", broken)
+    path = ascend.library(SIM, p)
+  monkeypatch.setattr(ascend, "_built", {})
+  assert ascend.library(SIM, p) == path
+  assert "the cached one does not load" in caplog.text
+  assert ascend._load_error(path) is None
+
+
 # --- the plan: tiles against the 910B's buffers -------------------------------
 
 @pytest.mark.parametrize("H, tile", [(64, (128, 128, 32, 64)), (128, (128, 128, 32, 128)),

@@ -20,7 +20,8 @@ workspace come from one owner, ``csrc/ascend/ascend_plan.h``, asked through
 the extension (``plan``). Builds are kept in the kernel cache
 (``FASTATTN_CACHE_DIR``, shared with the CUDA kernels) under a key of the
 sources, the compiler and its flags, written atomically once a process of
-their own has loaded them (every symbol resolved).
+their own has loaded them (every symbol resolved); a cached one that does not
+load is built again.
 
 Environment:
   FASTATTN_PTO_ISA  the PTO-ISA ``include`` folder (default: the one
@@ -260,7 +261,7 @@ def library(implementation: str, plan_: dict) -> str:
       return _built[digest]
     root = cuda.cache_dir() or tempfile.mkdtemp(prefix="fastattn_ascend_")
     path = os.path.join(root, "ascend", f"{implementation}-{digest}.so")
-    if not os.path.isfile(path):
+    if not (os.path.isfile(path) and _loads_here(path)):
       _compile(compiler, flags + tile, sources, path)
     _built[digest] = path
     return path
@@ -308,6 +309,17 @@ def _load_error(path: str) -> str | None:
   if done.returncode == 0:
     return None
   return done.stderr.strip() or f"the loading process ended with status {done.returncode}"
+
+
+def _loads_here(path: str) -> bool:
+  """Whether the cached library at ``path`` loads in this process (as the FFI
+  handler will load it); one that does not is logged, to be built again."""
+  try:
+    ctypes.CDLL(path, os.RTLD_NOW)
+  except OSError as err:
+    logger.warning("fastattn_jax: building %s again: the cached one does not load (%s)", path, err)
+    return False
+  return True
 
 
 # --- the custom call -------------------------------------------------------------
