@@ -11,6 +11,11 @@ The NPU path (``"ascend"``) cannot run here: the tests check that it says
 what is missing.
 """
 
+import os
+import re
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +118,58 @@ def test_outputs_fully_written(rng):
   T, H = q.shape[1], q.shape[3]
   assert tu.max_err(out[:, :T, :, :H], ref_out) < 2e-2
   np.testing.assert_array_equal(np.isinf(lse[:, :T]), np.isinf(ref_lse))
+
+
+# --- the simulator library: what it needs to load ------------------------------
+
+@needs_sim
+def test_kernel_library_resolves_every_symbol():
+  """The bfloat16 kernel (whose float -> bfloat16 conversions clang lowers to
+  compiler-rt's __truncsfbf2 on the baseline CPU) leaves no symbol undefined
+  that its own dependencies (the C library) do not define: ``ldd -r``
+  resolves them as the loader does, without this process's libraries."""
+  if shutil.which("ldd") is None:
+    pytest.skip("no ldd (glibc's) to resolve the library's symbols")
+  path = ascend.library(SIM, ascend.plan((2, 37, 4, 40), (2, 150, 2, 40), jnp.bfloat16))
+  done = subprocess.run(["ldd", "-r", path], capture_output=True, text=True)
+  assert done.returncode == 0 and "undefined symbol" not in done.stdout + done.stderr, (
+      done.stdout + done.stderr)
+
+
+@needs_sim
+def test_build_refuses_a_library_with_an_undefined_symbol(tmp_path):
+  """A library the toolchain links with a symbol nothing it loads defines
+  raises, naming the symbol and the compiler, and does not enter the cache."""
+  folder = tmp_path / "ascend"
+  source = 'extern "C" void fastattn_absent();\nextern "C" void f() { fastattn_absent(); }\n'
+  compiler = ascend.sim_compiler()
+  with pytest.raises(RuntimeError, match=re.escape(" ".join(compiler)) +
+                     r" linked a library that does not load.*undefined symbol: fastattn_absent"):
+    ascend._compile(compiler, ["-shared", "-fPIC"], {"ascend/attention_ascend.cpp": source},
+                    str(folder / "lib.so"))
+  assert os.listdir(folder) == []
+
+
+@needs_sim
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch, caplog):
+  """A library in the cache that does not load (here not even an ELF file)
+  is built again in its place, not handed to the FFI handler."""
+  monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(ascend, "_built", {})
+  p = ascend.plan((1, 16, 2, 32), (1, 16, 2, 32), jnp.float16)
+
+  def broken(compiler, flags, sources, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      f.write("not an ELF file")
+
+  with monkeypatch.context() as m:
+    m.setattr(ascend, "_compile", broken)
+    path = ascend.library(SIM, p)
+  monkeypatch.setattr(ascend, "_built", {})
+  assert ascend.library(SIM, p) == path
+  assert "the cached one does not load" in caplog.text
+  assert ascend._load_error(path) is None
 
 
 # --- the plan: tiles against the 910B's buffers -------------------------------

@@ -19,7 +19,9 @@ Which tile serves a call, the padded shapes, the split-KV count and the
 workspace come from one owner, ``csrc/ascend/ascend_plan.h``, asked through
 the extension (``plan``). Builds are kept in the kernel cache
 (``FASTATTN_CACHE_DIR``, shared with the CUDA kernels) under a key of the
-sources, the compiler and its flags, written atomically.
+sources, the compiler and its flags, written atomically once a process of
+their own has loaded them (every symbol resolved); a cached one that does not
+load is built again.
 
 Environment:
   FASTATTN_PTO_ISA  the PTO-ISA ``include`` folder (default: the one
@@ -145,15 +147,20 @@ def fetch_pto() -> str:
 
 
 def sim_compiler() -> list[str]:
-  """The command of a clang >= 19 C++ compiler: the ``ziglang`` package's,
-  else ``clang++-19`` or newer, or ``clang++``, on PATH.
+  """The command of a clang >= 19 C++ compiler for the baseline CPU of this
+  machine's architecture: the ``ziglang`` package's, else ``clang++-19`` or
+  newer, or ``clang++``, on PATH.
 
   Raises:
     Unavailable: none found.
   """
   try:
     import ziglang  # noqa: F401  (the package ships clang as `zig c++`)
-    return [sys.executable, "-m", "ziglang", "c++"]
+    # zig compiles for the CPU it runs on unless told otherwise (clang does
+    # not): then a library in a shared cache could use instructions another
+    # host lacks, and which runtime functions it calls (the float -> bfloat16
+    # conversion's, sim/stdfloat) would depend on the machine that built it.
+    return [sys.executable, "-m", "ziglang", "c++", "-mcpu=baseline"]
   except ImportError:
     pass
   for name in [f"clang++-{v}" for v in range(30, _MIN_CLANG - 1, -1)] + ["clang++"]:
@@ -240,7 +247,9 @@ def library(implementation: str, plan_: dict) -> str:
 
   Raises:
     Unavailable: the toolchain is missing.
-    RuntimeError: the compiler failed (its output in the message).
+    RuntimeError: the compiler failed (its output in the message), or the
+      library it linked does not load in a process of its own (an undefined
+      symbol: the message names it); such a library is not cached.
   """
   compiler, flags, version = _toolchain(implementation)
   tile = [f"-DFA_BR={plan_['Br']}", f"-DFA_BC={plan_['Bc']}", f"-DFA_BB={plan_['Bb']}",
@@ -253,7 +262,7 @@ def library(implementation: str, plan_: dict) -> str:
       return _built[digest]
     root = cuda.cache_dir() or tempfile.mkdtemp(prefix="fastattn_ascend_")
     path = os.path.join(root, "ascend", f"{implementation}-{digest}.so")
-    if not os.path.isfile(path):
+    if not (os.path.isfile(path) and _loads_here(path)):
       _compile(compiler, flags + tile, sources, path)
     _built[digest] = path
     return path
@@ -274,7 +283,44 @@ def _compile(compiler, flags, sources, path):
     if done.returncode != 0:
       raise RuntimeError(f"building the Ascend kernel failed ({' '.join(cmd)}):\n"
                          f"{done.stderr[-4000:]}")
+    if why := _load_error(out):
+      os.remove(out)
+      raise RuntimeError(f"building the Ascend kernel {path}: {' '.join(compiler)} linked a "
+                         f"library that does not load, so it is not cached: {why}")
     os.replace(out, path)  # atomic: readers see no file or a whole one
+
+
+# Loads a library as the FFI handlers do (dlopen with RTLD_NOW), in an
+# interpreter of its own: only the library's dependencies and a bare Python
+# resolve its symbols, not whatever this process happens to have loaded.
+_LOAD = """import ctypes, os, sys
+try:
+  ctypes.CDLL(sys.argv[1], os.RTLD_NOW)
+except OSError as err:
+  sys.exit(str(err))
+"""
+
+
+def _load_error(path: str) -> str | None:
+  """Why a fresh Python process cannot load the library at ``path`` (the
+  loader's message, e.g. ``undefined symbol: __truncsfbf2``), or None if it
+  can."""
+  done = subprocess.run([sys.executable, "-I", "-S", "-c", _LOAD, path], capture_output=True,
+                        text=True)
+  if done.returncode == 0:
+    return None
+  return done.stderr.strip() or f"the loading process ended with status {done.returncode}"
+
+
+def _loads_here(path: str) -> bool:
+  """Whether the cached library at ``path`` loads in this process (as the FFI
+  handler will load it); one that does not is logged, to be built again."""
+  try:
+    ctypes.CDLL(path, os.RTLD_NOW)
+  except OSError as err:
+    logger.warning("fastattn_jax: building %s again: the cached one does not load (%s)", path, err)
+    return False
+  return True
 
 
 # --- the custom call -------------------------------------------------------------
