@@ -1,4 +1,5 @@
-"""Benchmark: ``fast_attention`` against ``jax.nn.dot_product_attention``.
+"""Benchmark: ``fast_attention`` against ``jax.nn.dot_product_attention`` (XLA, cuDNN)
+and, on the CPU, PyTorch's ``scaled_dot_product_attention`` where torch is installed.
 
 What it measures, for each shape of a grid chosen per platform (the forward
 pass, or with ``--backward`` forward + backward, ``jax.grad`` of sum(out^2);
@@ -192,7 +193,7 @@ def _torch_competitors() -> list[Competitor]:
 
   def make(case: Case, q, k, v) -> Callable:
     def tensor(x):
-      return torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(
+      return torch.from_numpy(np.array(x.astype(jnp.float32))).to(
           getattr(torch, case.dtype)).transpose(1, 2).contiguous().requires_grad_(case.backward)
 
     tq, tk, tv = tensor(q), tensor(k), tensor(v)
@@ -397,8 +398,8 @@ def format_table(rows: list[dict], names: list[str], platform_name: str) -> str:
       cells += ([f"{r['ms']:.3f}", f"{r['gflops'] / per_unit:.1f}"] if "ms" in r
                 else ["skip", "-"])
     cells += [f"{row['speedup'][n]:.2f}x" if n in row["speedup"] else "-" for n in others]
-    cells += [_format_bytes(row["results"][n]["memory"].get("temp_size_in_bytes", 0))
-              for n in names]
+    cells += [_format_bytes(row["results"][n]["memory"]["temp_size_in_bytes"])
+              if "temp_size_in_bytes" in row["results"][n]["memory"] else "-" for n in names]
     lines.append([str(x) for x in cells])
   widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
   fmt = lambda cells: "  ".join(x.rjust(w) for x, w in zip(cells, widths))
@@ -450,13 +451,16 @@ def _label_line_ends(ax, ends: list[tuple[float, float, str, str]]) -> None:
   from_axis = (lambda y: 10 ** y) if log else (lambda y: y)
   low, high = (to_axis(y) for y in ax.get_ylim())
   gap = 0.07 * (high - low)
+  ends = sorted(ends, key=lambda e: e[1])
   placed = []
-  for x, y, text, color in sorted(ends, key=lambda e: e[1]):
-    y = to_axis(y)
-    y = max(y, placed[-1] + gap) if placed else y
-    placed.append(y)
-    ax.annotate(text, (x, from_axis(y)), xytext=(6, 0), textcoords="offset points",
-                va="center", color=color, fontsize=9, annotation_clip=False)
+  for _, y, _, _ in ends:
+    placed.append(max(to_axis(y), placed[-1] + gap) if placed else to_axis(y))
+  # Pushed past the top: move the whole stack down, keeping the gaps.
+  shift = max(0.0, placed[-1] - (high - gap / 2))
+  for (x, _, text, color), y in zip(ends, placed):
+    ax.annotate(text, (x, from_axis(max(y - shift, low))), xytext=(6, 0),
+                textcoords="offset points", va="center", color=color, fontsize=9,
+                annotation_clip=False, bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.5))
 
 
 def plot(rows: list[dict], *, platform_name: str, title: str):
@@ -555,8 +559,8 @@ def write_png(result: dict, path: str) -> None:
   """
   env = result["environment"]
   what = "forward + backward" if result["rows"][0]["case"].get("backward") else "forward"
-  title = (f"fast_attention ({env['fastattn_path']} path) vs jax.nn.dot_product_attention, "
-           f"{what}\n"
+  rivals = [name for name in result["rows"][0]["results"] if not name.startswith(SUBJECT)]
+  title = (f"fast_attention ({env['fastattn_path']} path) against {', '.join(rivals)}, {what}\n"
            f"{env['device']}, JAX {env['jax']}")
   plot(result["rows"], platform_name=env["platform"], title=title).savefig(path, dpi=120)
 
@@ -605,7 +609,8 @@ def main(argv=None) -> None:
   """
   parser = argparse.ArgumentParser(
       prog="python -m benchmarks.bench",
-      description="Times fast_attention against jax.nn.dot_product_attention.")
+      description="Times fast_attention against jax.nn.dot_product_attention (and, on the "
+                  "CPU, PyTorch's scaled_dot_product_attention).")
   parser.add_argument("--quick", action="store_true", help="tiny grid (smoke test)")
   parser.add_argument("--out", default="bench_results", help="output directory")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "both"),
