@@ -40,8 +40,8 @@ class AttentionConfig:
     has_bias, has_mask, has_q_lens, has_kv_lens: which optional operands follow
       query, key and value, in that order.
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
-    deterministic: the backward sums in a fixed order (on kernel 80's CUDA
-      paths: dQ in a pass of its own rather than by atomics).
+    deterministic: the backward sums in a fixed order (on kernel 90's CUDA
+      path, "cuda_sm90": dQ in a pass of its own rather than by atomics).
   """
 
   scale: float

@@ -91,7 +91,7 @@ CASES = {
     "bf16_combined": Case(dtype="bfloat16", opts=(("local_window_size", (30, 30)),
                                                   ("logits_soft_cap", 20.0)),
                           bias=(2, 4, 97, 130)),
-    # The fixed-order backward (sm80 / sm90: dQ in a pass of its own, not by
+    # The fixed-order backward (sm90: dQ in a pass of its own, not by
     # atomics; the same kernels elsewhere).
     "deterministic_gqa": Case(N=8, K=2, H=128, dtype="bfloat16",
                               opts=(("is_causal", True), ("deterministic", True))),
@@ -127,7 +127,7 @@ def test_gradients_by_the_flash_attention_rule(name, rng, impl):
   ours = _grads(impl, q, k, v, d_out, bias, mask, opts)
   # A path that multiplies in a narrower dtype (CUDA: float32 -> float16) is
   # held to the xla path's gradients of inputs rounded the same way, as the
-  # forward is (fa_testutil.check).
+  # forward is (fa_testutil.check_call).
   computed = tu.DTYPES[tu.computed_dtype(impl, case.dtype)]
   rounded = (None if x is None else x.astype(computed) for x in (q, k, v, d_out, bias))
   xla = [g.astype(q.dtype) for g in _grads("xla", *rounded, mask, opts)]

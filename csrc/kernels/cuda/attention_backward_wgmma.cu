@@ -95,7 +95,7 @@ __device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, 
 }
 
 // c = A B^T and d = A' B'^T over H (wgmma's K): A, A' the warpgroup's 64 rows
-// at a, ad (tiles of a_rows rows), B, B' kStep rows at bb, bd; K-major
+// at a, ad (tiles of kARows rows), B, B' kStep rows at bb, bd; K-major
 // operands, one 128-byte-swizzled panel per 64 columns.
 template <int kARows>
 __device__ __forceinline__ void two_products(unsigned a, unsigned ad, unsigned bb, unsigned bd,

@@ -27,8 +27,9 @@
 //      the decode kernel: fa_forward(const FaDecodeParams p))
 //   extern "C" __constant__ int fa_params_bytes;  // sizeof its parameters
 // and is launched with fa_forward_tile / fa_decode_tile's threads and
-// dynamic shared memory; grids: fa_forward_grid below, and the decode
-// kernel's lean partition (attention_decode.cu).
+// dynamic shared memory; grids: fa_forward_units below, each unit split in
+// FaSplitKV::parts, and the decode kernel's lean partition
+// (attention_decode.cu).
 #pragma once
 
 #include "attention_rules.h"
