@@ -15,6 +15,7 @@
 #include "cuda/variants.h"
 #include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
+#include "kernels/attention_dtypes.h"
 #include "kernels/cpu/attention_cpu.h"
 
 // The build system that compiled this module ("cmake" or "bazel"), so that a
@@ -105,6 +106,10 @@ NB_MODULE(_ffi, m) {
     return out;
   }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
 
+  m.def("dtype_codes", []() {
+    return Dict({{"float16", kFaF16}, {"bfloat16", kFaBF16}, {"float32", kFaF32}});
+  }, "Every kernel's element type codes (csrc/kernels/attention_dtypes.h), by dtype name.");
+
   m.def("cpu_plan",
         [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t workers,
            bool backward) {
@@ -125,13 +130,8 @@ NB_MODULE(_ffi, m) {
     d["row_align"] = kFaRowAlign;
     d["max_decode_rows"] = kFaMaxDecodeRows;
     d["kernels"] = std::vector<int>{70, 75, 80, 90};
-    nb::dict dtypes;
-    dtypes["float16"] = int{cu::kF16};
-    dtypes["bfloat16"] = int{cu::kBF16};
-    dtypes["float32"] = int{cu::kF32};
-    d["dtypes"] = dtypes;
     return d;
-  }, "Head-dim limit, row alignment (elements), decode rows, kernel names, dtype codes.");
+  }, "Head-dim limit, row alignment (elements), decode rows, kernel names.");
   m.def("cuda_runs_on", &fa_runs_on, nb::arg("kernel_sm"), nb::arg("cc"),
         "Whether a GPU of compute capability cc (10 * major + minor) runs kernel kernel_sm.");
   m.def("cuda_default_kernel", &cu::DefaultKernel, nb::arg("cc"), nb::arg("head_dim"),
@@ -252,9 +252,8 @@ NB_MODULE(_ffi, m) {
     return Dict({{"max_head_dim", kFaAscendMaxHeadDim}, {"cores", kFaAscendCores},
                  {"fractal", kFaAscendFractal}, {"ub_bytes", kFaAscendUbBytes},
                  {"l1_bytes", kFaAscendL1Bytes}, {"l0a_bytes", kFaAscendL0aBytes},
-                 {"l0b_bytes", kFaAscendL0bBytes}, {"l0c_bytes", kFaAscendL0cBytes},
-                 {"float16", kFaAscendF16}, {"bfloat16", kFaAscendBF16}});
-  }, "The 910B capacities (bytes), AI cores, fractal, largest head dim and dtype codes.");
+                 {"l0b_bytes", kFaAscendL0bBytes}, {"l0c_bytes", kFaAscendL0cBytes}});
+  }, "The 910B capacities (bytes), AI cores, fractal and largest head dim.");
   m.def("ascend_plan",
         [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t dtype,
            std::optional<std::vector<int64_t>> tile) {

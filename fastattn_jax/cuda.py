@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastattn_jax import _ffi, shapes
-from fastattn_jax.shapes import AttentionConfig
+from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 #: The CUDA targets: every forward kernel, and the backward kernels; the
 #: variant chosen by the lowering.
@@ -42,8 +42,6 @@ MAX_HEAD_DIM = _LIMITS["max_head_dim"]
 ROW_ALIGN = _LIMITS["row_align"]
 #: Implementation name -> the kernel (the sm it was written for).
 IMPLEMENTATIONS = {f"cuda_sm{kernel}": kernel for kernel in _LIMITS["kernels"]}
-#: The kernels' dtype codes.
-DTYPE_CODES = _LIMITS["dtypes"]
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 

@@ -21,6 +21,7 @@ import sys
 from tqdm import tqdm
 
 from fastattn_jax import _ffi, cuda
+from fastattn_jax.shapes import DTYPE_CODES
 
 
 def spills(log: str) -> int:
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
                       help="parallel compiles (default: CPU count)")
   args = parser.parse_args(argv)
   for d in args.dtypes:
-    if d not in cuda.DTYPE_CODES:
+    if d not in DTYPE_CODES:
       parser.error(f"--dtypes: unknown dtype {d!r}")
   cuda.configure()  # FASTATTN_CACHE_DIR / FASTATTN_NVRTC as set now
   if not args.head_dims or not all(0 < h <= cuda.MAX_HEAD_DIM for h in args.head_dims):

@@ -16,8 +16,13 @@ from typing import Any
 import numpy as np
 import jax.numpy as jnp
 
+from fastattn_jax import _ffi
+
 #: Element types the fused kernels compute in (float32 accumulation).
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+#: Every kernel's code of each of them, by dtype name: the one numbering the
+#: extension's plan functions take and return (csrc/kernels/attention_dtypes.h).
+DTYPE_CODES = _ffi.dtype_codes()
 #: Element types any path accepts; float64 is served by the reference math.
 SUPPORTED_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
 

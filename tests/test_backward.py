@@ -24,6 +24,7 @@ import pytest
 import fa_testutil as tu
 from fastattn_jax import (_ffi, attention, backends, cuda, fast_attention, primitive,
                           reference, resolve_implementation)
+from fastattn_jax.shapes import DTYPE_CODES
 
 #: Floor of the rule, relative to the largest reference gradient: a few ulps of
 #: the dtype (the gradients are rounded to it; float32 sums rows in another
@@ -314,7 +315,7 @@ def test_cuda_backward_plan_rules():
                                ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 90, 128, 128)):
     plan = cuda.plan(path, fixed, q, k, jnp.bfloat16, backward=True)
     assert plan["backward"] == 1 and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
-    assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
+    assert plan["operand_dtype"] == DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
     launch = _ffi_launch(plan, q, k)
     assert launch["blocks"] == -(-999 // bc) * 2 * 2 and launch["units"] == -(-1000 // br) * 8 * 2
     assert launch["workspace_floats"] == 0
@@ -329,7 +330,7 @@ def test_cuda_backward_plan_rules():
       assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), arch, 40,
                                    1)["smem_bytes"] <= smem * 1024, (path, h)
   assert cuda.plan("cuda_sm80", config, q, k, jnp.float32, backward=True)["operand_dtype"] == (
-      cuda.DTYPE_CODES["float16"])
+      DTYPE_CODES["float16"])
   for cfg, bias, mask in ((config, True, False), (config, False, True),
                           (dataclasses.replace(config, softcap=5.0), False, False)):
     assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]

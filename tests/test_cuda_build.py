@@ -17,7 +17,7 @@ import pytest
 
 import fa_testutil as tu
 from fastattn_jax import _ffi, cuda, precompile
-from fastattn_jax.shapes import AttentionConfig
+from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 
@@ -31,8 +31,8 @@ def cache(tmp_path):
 
 
 def _key(kernel_sm, head_dim, dtype, out_dtype, extras=False, decode_rows=0):
-  return _ffi.cuda_variant_key(kernel_sm, head_dim, cuda.DTYPE_CODES[dtype],
-                               cuda.DTYPE_CODES[out_dtype], extras, decode_rows)
+  return _ffi.cuda_variant_key(kernel_sm, head_dim, DTYPE_CODES[dtype],
+                               DTYPE_CODES[out_dtype], extras, decode_rows)
 
 
 def _main_variant(v: dict, arch: str) -> bool:
@@ -132,7 +132,7 @@ def test_decode_kernel_reads_bfloat16_on_every_arch(cache):
   for implementation in ("cuda_sm70", "cuda_sm75"):
     plan = cuda.plan(implementation, config, (1, 1, 4, 128), (1, 300, 1, 128), jnp.bfloat16)
     assert plan["decode_rows"] == 4 and plan["kernel_sm"] == 75
-    assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16"]
+    assert plan["operand_dtype"] == DTYPE_CODES["bfloat16"]
 
 
 @pytest.mark.parametrize("cc, head_dim, implementation", [

@@ -28,7 +28,7 @@ constexpr int64_t kMinTilesPerSplit = 2;
 constexpr int64_t kMostSplits = 16;
 
 // Plans a call of q (B, T, N, H) against k, v (B, S, K, H) in `dtype`
-// (FaAscendDtype). `tile`: the tile to use, or null for fa_ascend_tile's.
+// (kFaF16 or kFaBF16). `tile`: the tile to use, or null for fa_ascend_tile's.
 // Returns "" or why the call cannot run (head dim, heads, a tile past a
 // buffer's capacity).
 inline std::string PlanAscend(int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
@@ -41,7 +41,7 @@ inline std::string PlanAscend(int64_t B, int64_t T, int64_t S, int64_t N, int64_
     return "N=" + std::to_string(N) + " query heads do not group over K=" + std::to_string(K) +
            " key/value heads";
   }
-  if (dtype != kFaAscendF16 && dtype != kFaAscendBF16) return "dtype must be float16 or bfloat16";
+  if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be float16 or bfloat16";
   plan->tile = tile ? *tile : fa_ascend_tile(T, H, dtype);
   const FaAscendTile& t = plan->tile;
   auto fractal = [](int64_t x) { return x > 0 && x % kFaAscendFractal == 0; };

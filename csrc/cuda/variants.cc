@@ -50,8 +50,8 @@ std::string KernelVariant::Check() const {
            std::to_string(kernel_sm == 90 && !decode_rows ? 64 : 32) + " in [32, " +
            std::to_string(kFaMaxHeadDim) + "]";
   }
-  if (dtype != kF16 && dtype != kBF16) return "dtype must be f16 or bf16";
-  if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
+  if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be f16 or bf16";
+  if (out_dtype < kFaF16 || out_dtype > kFaF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
     if (backward < 1 || backward > BackwardBuilds(kernel_sm) ||
@@ -61,7 +61,7 @@ std::string KernelVariant::Check() const {
              "H=" + std::to_string(fa_backward_max_head_dim(70)) + " (kernel 80: " +
              std::to_string(fa_backward_max_head_dim(80)) + ")";
     }
-    if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
+    if (dtype == kFaBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
     return "";
   }
   if (decode_rows) {
@@ -74,7 +74,7 @@ std::string KernelVariant::Check() const {
   if (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) {
     return "kernel_sm must be 70, 75, 80 or 90";
   }
-  if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80 or 90";
+  if (dtype == kFaBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80 or 90";
   return "";
 }
 
@@ -169,7 +169,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     // The decode kernel reads bfloat16 on every arch (its sm75 build on CUDA cores).
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;
-    v.dtype = plan->operand_dtype = c.dtype == kBF16 ? kBF16 : kF16;
+    v.dtype = plan->operand_dtype = c.dtype == kFaBF16 ? kFaBF16 : kFaF16;
     v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
     return "";
   }
@@ -285,7 +285,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
 }
 
 int OperandDtype(int kernel_sm, int dtype) {
-  return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
+  return kernel_sm >= 80 && dtype == kFaBF16 ? kFaBF16 : kFaF16;
 }
 
 int BackwardBuilds(int kernel_sm) { return kernel_sm == 90 ? 2 : 1; }
@@ -340,7 +340,7 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
           KernelVariant v;
           v.kernel_sm = fa_decode_build(kernel_sm);
           v.head_dim = fa_kernel_head_dim(v.kernel_sm, h);
-          v.dtype = dtype == kBF16 ? kBF16 : kF16;
+          v.dtype = dtype == kFaBF16 ? kFaBF16 : kFaF16;
           v.out_dtype = dtype;
           v.decode_rows = rows;
           add(v);

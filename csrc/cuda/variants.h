@@ -12,21 +12,19 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/attention_dtypes.h"
 #include "kernels/attention_rules.h"
 #include "kernels/cuda/attention_tiles.cuh"
 
 namespace fastattn::cuda {
-
-// Element types as the kernels number them (FA_DTYPE, FA_OUT_DTYPE).
-enum Dtype : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
 
 // One compiled specialization of a kernel (attention_common.cuh lists what
 // each field turns into).
 struct KernelVariant {
   int kernel_sm = 80;   // 70, 75, 80, 90; the decode kernel: its build, 75 or 80
   int head_dim = 128;   // the kernel head dim (fa_kernel_head_dim)
-  int dtype = kF16;     // q, k, v: kF16 or kBF16
-  int out_dtype = kF16;
+  int dtype = kFaF16;   // q, k, v: kFaF16 or kFaBF16 (kernels/attention_dtypes.h)
+  int out_dtype = kFaF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
   int backward = 0;     // the backward kernels (kernel_sm 70, 75, 80 or 90): 1 dQ
@@ -47,11 +45,11 @@ struct KernelVariant {
   static KernelVariant FromKey(int64_t key);
 };
 
-// A call as the lowering sees it. dtype: kF16, kBF16 or kF32 (float32
+// A call as the lowering sees it. dtype: kFaF16, kFaBF16 or kFaF32 (float32
 // inputs are rounded to float16 for the products).
 struct CallShape {
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
-  int dtype = kF16;
+  int dtype = kFaF16;
   bool bias = false, mask = false, q_lens = false;
   FaRules rules{};
   bool backward = false;  // the gradients' kernels (attention_backward.cu)
@@ -61,7 +59,7 @@ struct CallShape {
 // How a kernel serves a call.
 struct CallPlan {
   KernelVariant variant;
-  int operand_dtype = kF16;  // q, k, v are converted to this (when they are not)
+  int operand_dtype = kFaF16;  // q, k, v are converted to this (when they are not)
   int64_t row_elements = 0;  // H rounded up to kFaRowAlign: the operands' rows
                              // (H itself unless it is not a multiple of 8)
   // T = 1 with more than kFaMaxDecodeRows query heads per key/value head, and
@@ -104,8 +102,8 @@ LaunchPlan PlanLaunch(const KernelVariant& variant, int64_t B, int64_t T, int64_
 // registers, known once compiled, can only lower it).
 int MaxBlocksPerSm(const FaTile& tile, int arch);
 
-// The dtype the forward kernels multiply `dtype` inputs in (kF16, kBF16 or
-// kF32) on kernel `kernel_sm`: bfloat16 where the tensor cores have it
+// The dtype the forward kernels multiply `dtype` inputs in (kFaF16, kFaBF16 or
+// kFaF32) on kernel `kernel_sm`: bfloat16 where the tensor cores have it
 // (kernels 80 and 90), else float16; float32 is rounded to float16 (the
 // 10-bit significand of the TF32 that XLA's float32 products use). The
 // decode kernel reads bfloat16 on every arch (CallPlan says which applies).
@@ -129,7 +127,7 @@ int DefaultKernel(int cc, int64_t head_dim);
 
 // The variants `python -m fastattn_jax.precompile` builds for compute
 // capability `cc`: every kernel the GPU runs, at each head dim (rounded as
-// the kernel rounds it) and input dtype (kF16, kBF16; output alike), with
+// the kernel rounds it) and input dtype (kFaF16, kFaBF16; output alike), with
 // and without extras, the decode kernel at each rows per block, and the
 // backward kernels (BackwardKernel, up to each one's fa_backward_max_head_dim).
 std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,

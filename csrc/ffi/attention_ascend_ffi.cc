@@ -69,12 +69,12 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
     return err;
   }
   const ffi::DataType type = q.element_type();
+  const int dtype = DtypeCode(type);
   if (k.element_type() != type || v.element_type() != type || out.element_type() != type ||
-      (type != ffi::DataType::F16 && type != ffi::DataType::BF16)) {
+      (dtype != kFaF16 && dtype != kFaBF16)) {
     return ffi::Error::InvalidArgument(
         "query, key, value and out must share one of F16, BF16");
   }
-  const int64_t dtype = type == ffi::DataType::BF16 ? kFaAscendBF16 : kFaAscendF16;
   if (std::string why = PlanAscend(d.B, d.T, d.S, d.N, d.K, d.H, dtype, nullptr, &c->plan);
       !why.empty()) {
     return ffi::Error::InvalidArgument(why);

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/attention_dtypes.h"
 #include "kernels/attention_rules.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,6 +38,17 @@ template <class Attrs>
 FaRules RulesOf(const Attrs& a) {
   return fa_make_rules(a.scale, a.softcap, a.is_causal, a.end_aligned, a.window_left,
                        a.window_right);
+}
+
+// The kernels' code of an XLA element type (FaDtype), or -1 for a type no
+// kernel takes.
+inline int DtypeCode(xla::ffi::DataType type) {
+  switch (type) {
+    case xla::ffi::DataType::F16: return kFaF16;
+    case xla::ffi::DataType::BF16: return kFaBF16;
+    case xla::ffi::DataType::F32: return kFaF32;
+    default: return -1;
+  }
 }
 
 inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {

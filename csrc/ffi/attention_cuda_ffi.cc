@@ -33,6 +33,7 @@
 namespace ffi = xla::ffi;
 namespace cu = fastattn::cuda;
 using fastattn::CallAttrs;
+using fastattn::DtypeCode;
 
 namespace {
 
@@ -106,15 +107,6 @@ const XLA_FFI_TypeInfo* CudaSiteStateTypeInfo() {
 }
 
 namespace {
-
-int DtypeCode(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F16: return cu::kF16;
-    case ffi::DataType::BF16: return cu::kBF16;
-    case ffi::DataType::F32: return cu::kF32;
-    default: return -1;
-  }
-}
 
 // Checks the buffers against the site's variant; *d gets the call's shapes.
 ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -4,7 +4,8 @@
 // (attention_ascend.cpp, built by clang for PTO's CPU simulator or by CANN's
 // bisheng for the NPU), by its FFI handler and by the extension's plan
 // functions that Python asks (fastattn_jax.ascend.plan). No includes beyond
-// the shared index rules: every compiler that builds the kernel builds this.
+// the shared index rules and dtype codes: every compiler that builds the
+// kernel builds this.
 //
 // The algorithm is FastAttention's NPU forward (Lin et al. 2024, section 4.1,
 // appendix B): the Cube unit multiplies large Br x Bc tiles (S = Q K^T, then
@@ -16,6 +17,7 @@
 
 #include <stdint.h>
 
+#include "attention_dtypes.h"
 #include "attention_rules.h"
 
 // Buffer capacities of one 910B AI core, in bytes (PTO-ISA's memory model of
@@ -42,15 +44,13 @@ constexpr int64_t kFaAscendMaxHeadDim = 256;
 constexpr float kFaAscendMasked = -1e30f;
 constexpr float kFaAscendDeadMax = -1e29f;
 
-enum FaAscendDtype : int64_t { kFaAscendF16 = 0, kFaAscendBF16 = 1 };
-
 // One compiled kernel: tile sizes and element type (compile-time in PTO).
 struct FaAscendTile {
   int64_t br;     // query rows per Cube tile
   int64_t bc;     // keys per Cube tile
   int64_t bb;     // rows per Vector slice
   int64_t hp;     // head dim padded to the fractal
-  int64_t dtype;  // FaAscendDtype of q, k, v, out and P
+  int64_t dtype;  // FaDtype of q, k, v, out and P: kFaF16 or kFaBF16
 };
 
 constexpr int64_t fa_ascend_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

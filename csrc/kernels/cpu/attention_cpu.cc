@@ -442,13 +442,13 @@ CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& w
 
   if (pb.splits > 1) {
     switch (p.dtype) {
-      case ElementType::kF32:
+      case kFaF32:
         combine_splits<float>(pb);
         break;
-      case ElementType::kF16:
+      case kFaF16:
         combine_splits<Half>(pb);
         break;
-      case ElementType::kBF16:
+      case kFaBF16:
         combine_splits<BFloat16>(pb);
         break;
     }

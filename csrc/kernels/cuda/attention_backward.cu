@@ -36,7 +36,7 @@
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
 #error "attention_backward.cu is built as kernel 75 or 80"
 #endif
-#if FA_KERNEL_SM == 75 && FA_DTYPE != 0
+#if FA_KERNEL_SM == 75 && FA_DTYPE != FA_F16
 #error "kernel 75 is float16 only"
 #endif
 

@@ -24,7 +24,7 @@
 #include "attention_grad.cuh"
 #include "attention_volta.cuh"
 
-#if FA_KERNEL_SM != 70 || FA_DTYPE != 0
+#if FA_KERNEL_SM != 70 || FA_DTYPE != FA_F16
 #error "attention_backward_volta.cu: kernel 70, float16 operands only"
 #endif
 

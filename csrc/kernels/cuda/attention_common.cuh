@@ -14,8 +14,9 @@
 //                 90 (wgmma, sm_90a); the decode kernel: 75 or 80, its build
 //   FA_HEAD_DIM   the kernel head dim (attention_tiles.cuh); the call's H may
 //                 be smaller: columns past it read as zeros, never written
-//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_KERNEL_SM >= 80)
-//   FA_OUT_DTYPE  out element: 0 float16, 1 bfloat16, 2 float32
+//   FA_DTYPE      q, k, v element, a code of attention_dtypes.h: FA_F16, or
+//                 FA_BF16 (FA_KERNEL_SM >= 80)
+//   FA_OUT_DTYPE  out element: FA_F16, FA_BF16 or FA_F32
 //   FA_EXTRAS     forward kernels: 1 compiles in bias, mask and soft cap
 //                 (each still off when its field is null / 0) and any scale;
 //                 0: none of them, and scale > 0
@@ -32,6 +33,7 @@
 // (attention_decode.cu).
 #pragma once
 
+#include "attention_dtypes.h"
 #include "attention_rules.h"
 #include "attention_tiles.cuh"
 
@@ -246,7 +248,7 @@ __device__ __forceinline__ float fa_bf16_to_f32(unsigned short h) {
 
 // q, k, v elements of the kernel's FA_DTYPE, two per register.
 __device__ __forceinline__ unsigned fa_pack_in(float lo, float hi) {
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
   return fa_pack_bf16(lo, hi);
 #else
   return fa_pack_f16(lo, hi);
@@ -261,10 +263,10 @@ constexpr float kFaLn2 = 0.6931471805599453f;
 __device__ __forceinline__ void fa_store_quad(void* out, long long at, const float (&x)[4]) {
 #pragma unroll
   for (int f = 0; f < 4; f += 2) {
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
     static_cast<float*>(out)[at + f] = x[f];
     static_cast<float*>(out)[at + f + 1] = x[f + 1];
-#elif FA_OUT_DTYPE == 1
+#elif FA_OUT_DTYPE == FA_BF16
     *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
         fa_pack_bf16(x[f], x[f + 1]);
 #else

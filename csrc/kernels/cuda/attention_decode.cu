@@ -283,7 +283,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 __device__ __forceinline__ void unpack(const Chunk& c, float (&f)[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
     f[2 * i] = __uint_as_float(c.w[i] << 16);
     f[2 * i + 1] = __uint_as_float(c.w[i] & 0xffff0000u);
 #else

@@ -56,9 +56,9 @@ __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, flo
 
 // Elements at and after `at` (even) of a gradient array of FA_OUT_DTYPE.
 __device__ __forceinline__ void fa_store_pair(void* out, long long at, float x0, float x1) {
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
   *reinterpret_cast<float2*>(static_cast<float*>(out) + at) = make_float2(x0, x1);
-#elif FA_OUT_DTYPE == 1
+#elif FA_OUT_DTYPE == FA_BF16
   *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_bf16(x0, x1);
 #else
   *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_f16(x0, x1);

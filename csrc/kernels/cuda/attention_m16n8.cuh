@@ -81,7 +81,7 @@ struct FaTileRegs {
 __device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
                                          unsigned b0, unsigned b1) {
 #if FA_KERNEL_SM == 80
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
       "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -260,12 +260,12 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
       const int col = nt * 8 + 2 * t4;
       if (col >= p.H) continue;
       const float x0 = o[nt][2 * h] * inv, x1 = o[nt][2 * h + 1] * inv;
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
       float* out = static_cast<float*>(p.out) + at + col;
       out[0] = x0;
       out[1] = x1;
 #else
-#if FA_OUT_DTYPE == 1
+#if FA_OUT_DTYPE == FA_BF16
       const unsigned v = fa_pack_bf16(x0, x1);
 #else
       const unsigned v = fa_pack_f16(x0, x1);

@@ -23,7 +23,7 @@
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
 #error "attention_mma16.cu serves kernels 75 and 80"
 #endif
-#if FA_KERNEL_SM == 75 && FA_DTYPE != 0
+#if FA_KERNEL_SM == 75 && FA_DTYPE != FA_F16
 #error "kernel 75 is float16 only"
 #endif
 
