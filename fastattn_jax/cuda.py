@@ -166,7 +166,7 @@ def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -
   workspace the lowering allocates covers the loaded kernel's real plan."""
   cc = compute_capability(device)
   return _ffi.cuda_plan_launch(plan_["variant"], *kernel_shape(plan_, q_shape, k_shape),
-                               cc * 10, multiprocessors(device), blocks_per_sm)
+                               cc, multiprocessors(device), blocks_per_sm)
 
 
 def call(implementation: str, config: AttentionConfig, attrs: dict, q, k, v, bias=None,
@@ -242,32 +242,32 @@ def call_backward(implementation: str, config: AttentionConfig, attrs: dict, q, 
 
 # --- compiling ahead of time ---------------------------------------------------------
 
-def parse_arch(text: str) -> str:
-  """'sm_90', 'sm90', '90' or '9.0' -> 'sm_90'."""
+def parse_cc(text: str) -> int:
+  """A GPU named as 'sm_90', 'sm90', '90' or '9.0' -> its compute capability, 90."""
   t = text.strip().lower().removeprefix("sm_").removeprefix("sm").replace(".", "")
   if not t.isdigit() or int(t) < 70:
     raise ValueError(f"not a CUDA arch of compute capability >= 7.0: {text!r}")
-  return f"sm_{t}"
+  return int(t)
 
 
-def shipped_variants(arch: str, head_dims=None, dtypes=("float16", "bfloat16")) -> list[int]:
+def shipped_variants(cc: int, head_dims=None, dtypes=("float16", "bfloat16")) -> list[int]:
   """Keys of the variants ``python -m fastattn_jax.precompile`` builds for
-  ``arch`` ("sm_90"), at ``head_dims`` (default: every multiple of 32 up to
-  the largest) and input ``dtypes``; ``_ffi.cuda_variant(key)`` describes one."""
+  compute capability ``cc`` (90), at ``head_dims`` (default: every multiple
+  of 32 up to the largest) and input ``dtypes``; ``_ffi.cuda_variant(key)``
+  describes one."""
   head_dims = range(32, MAX_HEAD_DIM + 1, 32) if head_dims is None else head_dims
-  return _ffi.cuda_shipped_variants(int(arch.removeprefix("sm_")), list(head_dims),
-                                    [DTYPE_CODES[d] for d in dtypes])
+  return _ffi.cuda_shipped_variants(cc, list(head_dims), [DTYPE_CODES[d] for d in dtypes])
 
 
-def compile_variant(key: int, arch: str) -> dict:
-  """Compiles variant ``key`` for ``arch`` ("sm_90") or reads it from the disk
-  cache; see ``_ffi.compile_kernel``.
+def compile_variant(key: int, cc: int) -> dict:
+  """Compiles variant ``key`` for compute capability ``cc`` (90) or reads it
+  from the disk cache; see ``_ffi.compile_kernel``.
 
   Raises:
-    RuntimeError: no NVRTC can compile for ``arch``, or the variant does not
+    RuntimeError: no NVRTC can compile for ``cc``, or the variant does not
       exist there (the message says why).
   """
-  return _ffi.compile_kernel(key, arch)
+  return _ffi.compile_kernel(key, cc)
 
 
 configure()

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m fastattn_jax.precompile",
       description="Compile fastattn_jax's CUDA kernels into the kernel cache (no GPU needed).")
-  parser.add_argument("--arch", type=_csv(cuda.parse_arch), required=True,
+  parser.add_argument("--arch", dest="ccs", type=_csv(cuda.parse_cc), required=True,
                       help="comma-separated GPU archs, e.g. sm_70,sm_75,sm_80,sm_90")
   parser.add_argument("--head-dims", type=_csv(int),
                       default=list(range(32, cuda.MAX_HEAD_DIM + 1, 32)),
@@ -54,22 +54,23 @@ def main(argv=None) -> int:
   cuda.configure()  # FASTATTN_CACHE_DIR / FASTATTN_NVRTC as set now
   if not args.head_dims or not all(0 < h <= cuda.MAX_HEAD_DIM for h in args.head_dims):
     parser.error(f"--head-dims must be in 1..{cuda.MAX_HEAD_DIM}")
-  jobs = [(arch, key) for arch in args.arch
-          for key in cuda.shipped_variants(arch, args.head_dims, args.dtypes)]
+  jobs = [(cc, key) for cc in args.ccs
+          for key in cuda.shipped_variants(cc, args.head_dims, args.dtypes)]
 
   print(f"cache: {cuda.cache_dir() or '(disabled)'}; {len(jobs)} kernels")
   failed, built = [], 0
   with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-    futures = {pool.submit(cuda.compile_variant, key, arch): (arch, key) for arch, key in jobs}
+    futures = {pool.submit(cuda.compile_variant, key, cc): (cc, key) for cc, key in jobs}
     for fut in tqdm(concurrent.futures.as_completed(futures), total=len(futures), unit="kernel"):
-      arch, key = futures[fut]
+      cc, key = futures[fut]
       try:
         r = fut.result()
         built += not r["from_cache"]
         if spills(r["log"]):
-          tqdm.write(f"note: {r['variant']} for {arch} spills registers ({spills(r['log'])} bytes)")
+          tqdm.write(f"note: {r['variant']} for {r['target']} spills registers "
+                     f"({spills(r['log'])} bytes)")
       except RuntimeError as err:
-        failed.append(f"{arch} {_ffi.cuda_variant(key)['describe']}: {err}")
+        failed.append(f"{_ffi.cuda_variant(key)['describe']} for compute capability {cc}: {err}")
   for f in failed:
     print(f, file=sys.stderr)
   print(f"{len(jobs) - len(failed)} ready ({built} compiled, {len(jobs) - len(failed) - built} "

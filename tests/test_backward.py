@@ -323,11 +323,11 @@ def test_cuda_backward_plan_rules():
     fast = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
     assert fast["backward"] == (2 if kernel == 90 else 1)
     assert _ffi_launch(fast, q, k)["units"] == (0 if kernel == 90 else launch["units"])
-  for path, arch, smem in (("cuda_sm70", 700, 96), ("cuda_sm75", 750, 64), ("cuda_sm90", 900, 227)):
+  for path, cc, smem in (("cuda_sm70", 70, 96), ("cuda_sm75", 75, 64), ("cuda_sm90", 90, 227)):
     for h in range(32, 129, 32):
       qh, kh = (1, 100, 2, h), (1, 100, 2, h)
       plan = cuda.plan(path, config, qh, kh, jnp.float16, True, backward=True)
-      assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), arch, 40,
+      assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), cc, 40,
                                    1)["smem_bytes"] <= smem * 1024, (path, h)
   assert cuda.plan("cuda_sm80", config, q, k, jnp.float32, backward=True)["operand_dtype"] == (
       DTYPE_CODES["float16"])
@@ -351,4 +351,4 @@ def test_cuda_backward_plan_rules():
 
 def _ffi_launch(plan, q_shape, k_shape):
   return _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, q_shape, k_shape),
-                               900, 132, 1)
+                               90, 132, 1)

@@ -99,10 +99,10 @@ std::vector<std::string> KernelVariant::Defines() const {
   return d;
 }
 
-FaTile KernelVariant::Tile(int arch) const {
+FaTile KernelVariant::Tile(int cc) const {
   return backward      ? fa_backward_tile(kernel_sm, head_dim, backward == 2)
-       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
-                     : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
+       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, cc)
+                     : fa_forward_tile(kernel_sm, head_dim, extras != 0, cc);
 }
 
 int64_t KernelVariant::Key() const {
@@ -166,7 +166,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const bool operands = c.bias || c.mask || c.q_lens;
   const int rows = fa_decode_rows(c.T * G);
   if (!operands && c.S > 0 && rows > 0) {
-    // The decode kernel reads bfloat16 on every arch (its sm75 build on CUDA cores).
+    // The decode kernel reads bfloat16 on every GPU (its sm75 build on CUDA cores).
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;
     v.dtype = plan->operand_dtype = c.dtype == kFaBF16 ? kFaBF16 : kFaF16;
@@ -189,24 +189,24 @@ std::vector<std::pair<std::string, int64_t>> LaunchPlan::Facts() const {
           {"cluster", cluster}};
 }
 
-int MaxBlocksPerSm(const FaTile& tile, int arch) {
+int MaxBlocksPerSm(const FaTile& tile, int cc) {
   // Threads, shared memory (bytes) and blocks a multiprocessor holds.
-  const int threads = arch == 750 ? 1024 : arch == 860 || arch == 870 || arch == 890 ? 1536 : 2048;
-  const int smem = arch == 700 ? 96 * 1024
-                 : arch == 750 ? 64 * 1024
-                 : arch == 800 || arch == 870 ? 164 * 1024
-                 : arch == 860 || arch == 890 ? 100 * 1024
-                                              : 228 * 1024;
-  const int most = arch == 750 || arch == 860 || arch == 870 ? 16 : arch == 890 ? 24 : 32;
+  const int threads = cc == 75 ? 1024 : cc == 86 || cc == 87 || cc == 89 ? 1536 : 2048;
+  const int smem = cc == 70 ? 96 * 1024
+                 : cc == 75 ? 64 * 1024
+                 : cc == 80 || cc == 87 ? 164 * 1024
+                 : cc == 86 || cc == 89 ? 100 * 1024
+                                        : 228 * 1024;
+  const int most = cc == 75 || cc == 86 || cc == 87 ? 16 : cc == 89 ? 24 : 32;
   int blocks = std::min(most, threads / std::max(tile.threads, 1));
   if (tile.smem_bytes > 0) blocks = std::min(blocks, smem / tile.smem_bytes);
   return std::max(blocks, 1);
 }
 
 LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, int64_t N,
-                      int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm) {
+                      int64_t K, int64_t H, int cc, int multiprocessors, int blocks_per_sm) {
   LaunchPlan l;
-  l.tile = v.Tile(arch);
+  l.tile = v.Tile(cc);
   const int64_t wave = int64_t{multiprocessors} * blocks_per_sm;
   const int64_t rows = l.tile.block_m;
   if (v.backward) {
@@ -257,7 +257,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // head, S = 4K / 64K: 54.8 / 703.2, in clusters 52.8 / 698.4. (With
     // ragged lengths the kernel finds the shares off the clusters' bounds
     // and merges through the workspace.)
-    const int64_t most = fa_decode_cluster_max(v.kernel_sm, arch);
+    const int64_t most = fa_decode_cluster_max(v.kernel_sm, cc);
     if (most > 1 && best <= 2 * most) {
       best = std::min(best, most);
       l.cluster = static_cast<int>(best);

@@ -3,7 +3,7 @@
 // (grid, split-KV, workspace) and how it is compiled. The FFI handlers and,
 // through the extension module, Python (fastattn_jax/cuda.py) ask here;
 // nothing else derives these facts. The shape facts underneath (head-dim
-// rounding, tiles per arch) are in csrc/kernels/cuda/attention_tiles.cuh,
+// rounding, tiles per GPU) are in csrc/kernels/cuda/attention_tiles.cuh,
 // which the kernels are compiled from too.
 #pragma once
 
@@ -38,8 +38,8 @@ struct KernelVariant {
   // The kernel source and its NVRTC -D options.
   std::string SourceFile() const;
   std::vector<std::string> Defines() const;
-  // The tile on a GPU of `arch` (__CUDA_ARCH__ spelling: 900).
-  FaTile Tile(int arch) const;
+  // The tile on a GPU of compute capability `cc` (10 * major + minor: 90).
+  FaTile Tile(int cc) const;
   // The variant as one integer, the FFI attribute that names it to a handler.
   int64_t Key() const;
   static KernelVariant FromKey(int64_t key);
@@ -72,9 +72,9 @@ struct CallPlan {
 // kernels cannot serve it).
 std::string PlanCall(int kernel_sm, const CallShape& shape, CallPlan* plan);
 
-// The launch of a planned call on a GPU of `arch` whose `multiprocessors`
-// each hold `blocks_per_sm` blocks of the kernel (the loaded kernel's
-// occupancy; MaxBlocksPerSm bounds it before loading).
+// The launch of a planned call on a GPU of compute capability `cc` whose
+// `multiprocessors` each hold `blocks_per_sm` blocks of the kernel (the
+// loaded kernel's occupancy; MaxBlocksPerSm bounds it before loading).
 struct LaunchPlan {
   FaTile tile{};
   int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads;
@@ -95,18 +95,18 @@ struct LaunchPlan {
   std::vector<std::pair<std::string, int64_t>> Facts() const;
 };
 LaunchPlan PlanLaunch(const KernelVariant& variant, int64_t B, int64_t T, int64_t S, int64_t N,
-                      int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm);
+                      int64_t K, int64_t H, int cc, int multiprocessors, int blocks_per_sm);
 
 // An upper bound of the resident blocks per multiprocessor of `tile` on
-// `arch`, from the multiprocessor's thread and shared-memory limits (the
+// `cc`, from the multiprocessor's thread and shared-memory limits (the
 // registers, known once compiled, can only lower it).
-int MaxBlocksPerSm(const FaTile& tile, int arch);
+int MaxBlocksPerSm(const FaTile& tile, int cc);
 
 // The dtype the forward kernels multiply `dtype` inputs in (kFaF16, kFaBF16 or
 // kFaF32) on kernel `kernel_sm`: bfloat16 where the tensor cores have it
 // (kernels 80 and 90), else float16; float32 is rounded to float16 (the
 // 10-bit significand of the TF32 that XLA's float32 products use). The
-// decode kernel reads bfloat16 on every arch (CallPlan says which applies).
+// decode kernel reads bfloat16 on every GPU (CallPlan says which applies).
 int OperandDtype(int kernel_sm, int dtype);
 
 // The backward kernel of the path of forward kernel `kernel_sm` at head dim

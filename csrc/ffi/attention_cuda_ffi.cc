@@ -154,7 +154,7 @@ void RecordLaunch(const cu::KernelVariant& v, const fastattn::QkvDims& d,
                                {"decode_rows", v.decode_rows},
                                {"B", d.B}, {"T", d.T}, {"S", d.S},
                                {"N", d.N}, {"K", d.K}, {"H", d.H},
-                               {"arch", kernel.arch},
+                               {"cc", kernel.cc},
                                {"multiprocessors", kernel.multiprocessors},
                                {"blocks_per_sm", kernel.blocks_per_sm}};
   for (auto& fact : plan.Facts()) facts.push_back(std::move(fact));
@@ -194,7 +194,7 @@ ffi::Error InitializeContext(cu::CUstream stream, SiteState* site, const fastatt
   c.kernel = cu::GetLoadedKernel(*driver, context, site->variant, &error);
   if (!c.kernel) return ffi::Error::Internal(error);
   const fastattn::QkvDims kd = KernelDims(d, site->fold_heads);
-  c.plan = cu::PlanLaunch(site->variant, kd.B, kd.T, kd.S, kd.N, kd.K, kd.H, c.kernel->arch,
+  c.plan = cu::PlanLaunch(site->variant, kd.B, kd.T, kd.S, kd.N, kd.K, kd.H, c.kernel->cc,
                           c.kernel->multiprocessors, c.kernel->blocks_per_sm);
   if (c.plan.blocks > INT32_MAX) {
     return ffi::Error::InvalidArgument("CUDA attention: " + std::to_string(c.plan.blocks) +

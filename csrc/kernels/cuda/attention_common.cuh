@@ -128,6 +128,10 @@ FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int block_m) {
 
 #ifdef __CUDACC_RTC__
 
+// The compute capability being compiled for, as attention_tiles.cuh and the
+// host encode a GPU (10 * major + minor; __CUDA_ARCH__ is 10 times that).
+constexpr int kFaCc = __CUDA_ARCH__ / 10;
+
 #define FA_NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ int fa_q_len(const FaParams& p, int b) {

@@ -56,7 +56,7 @@ namespace {
 
 constexpr int kRows = FA_DECODE_ROWS;
 constexpr int kH = FA_HEAD_DIM;
-constexpr FaTile kTile = fa_decode_tile(FA_KERNEL_SM, kRows, kH, __CUDA_ARCH__);
+constexpr FaTile kTile = fa_decode_tile(FA_KERNEL_SM, kRows, kH, kFaCc);
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 // Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
 // per warp while the other is computed) and as many warps (up to 8) as
@@ -68,7 +68,7 @@ constexpr int kThreads = kTile.threads;
 constexpr int kKeysPerIter = kTile.block_n;
 constexpr int kSmemBytes = kTile.smem_bytes;
 // Most segments of a unit in one cluster (1: no clusters; attention_tiles.cuh).
-constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, __CUDA_ARCH__);
+constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, kFaCc);
 #if FA_KERNEL_SM >= 80
 constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16 step of P V)
 // A key's row in a ring stage (attention_tiles.cuh). Either layout puts the

@@ -10,7 +10,7 @@
 #include "attention_split.cuh"
 
 extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaParams p) {
-  constexpr FaTile tile = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__);
+  constexpr FaTile tile = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, kFaCc);
   const int block_m = tile.block_m;
   const FaBlock blk = fa_block(p, block_m, tile.block_n);  // blockIdx.x: the unit, split 0
   fa_merge_segments<8>(p, fa_workspace_slots(p.split, (long long)blk.unit * p.split.parts,

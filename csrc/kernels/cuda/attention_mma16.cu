@@ -41,7 +41,7 @@ constexpr int kChunks = kH / 8;         // 16-byte chunks per row
 // 275 to 307 at H=128; kernel 75 from 147 to 192 at H=128). The accumulators
 // of two m-tiles leave no registers for Q fragments, which are reloaded from
 // shared memory at every k-step, nor for kernel 75's prefetched tile.
-constexpr FaTile kTile = fa_forward_tile(FA_KERNEL_SM, kH, FA_EXTRAS, __CUDA_ARCH__);
+constexpr FaTile kTile = fa_forward_tile(FA_KERNEL_SM, kH, FA_EXTRAS, kFaCc);
 constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
 constexpr int kMt = fa_mma16_m_tiles(kH);

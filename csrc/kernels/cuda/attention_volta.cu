@@ -60,7 +60,7 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_forward_tile(70, kH, FA_EXTRAS, __CUDA_ARCH__);
+constexpr FaTile kTile = fa_forward_tile(70, kH, FA_EXTRAS, kFaCc);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRG = fa_volta_row_groups(kH);  // row groups (of 8 rows) per warp

@@ -33,7 +33,7 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_forward_tile(90, kH, FA_EXTRAS, __CUDA_ARCH__);
+constexpr FaTile kTile = fa_forward_tile(90, kH, FA_EXTRAS, kFaCc);
 constexpr int kWG = 2;                     // warpgroups of 64 rows
 constexpr int kThreads = kTile.threads;    // (kWG + 1) * 128: + the producer warpgroup
 // Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 <= 65536.
