@@ -272,8 +272,8 @@ NB_MODULE(_ffi, m) {
             throw nb::value_error(why.c_str());
           }
           const FaAscendBuffers& b = plan.buffers;
-          return Dict({{"Br", plan.tile.br}, {"Bc", plan.tile.bc}, {"Bb", plan.tile.bb},
-                       {"Hp", plan.tile.hp}, {"dtype", plan.tile.dtype}, {"Tp", plan.Tp},
+          return Dict({{"Br", plan.tile.Br}, {"Bc", plan.tile.Bc}, {"Bb", plan.tile.Bb},
+                       {"Hp", plan.tile.Hp}, {"dtype", plan.tile.dtype}, {"Tp", plan.Tp},
                        {"Sp", plan.Sp}, {"splits", plan.splits}, {"cores", plan.cores},
                        {"workspace_floats", plan.workspace_floats},
                        {"l1_bytes", b.l1}, {"l0a_bytes", b.l0a}, {"l0b_bytes", b.l0b},

@@ -311,13 +311,13 @@ def test_cuda_backward_plan_rules():
   config = attention.AttentionConfig(scale=0.125, is_causal=True)
   q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
   fixed = dataclasses.replace(config, deterministic=True)
-  for path, kernel, bc, br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
+  for path, kernel, Bc, Br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
                                ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 90, 128, 128)):
     plan = cuda.plan(path, fixed, q, k, jnp.bfloat16, backward=True)
     assert plan["backward"] == 1 and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
     assert plan["operand_dtype"] == DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
     launch = _ffi_launch(plan, q, k)
-    assert launch["blocks"] == -(-999 // bc) * 2 * 2 and launch["units"] == -(-1000 // br) * 8 * 2
+    assert launch["blocks"] == -(-999 // Bc) * 2 * 2 and launch["units"] == -(-1000 // Br) * 8 * 2
     assert launch["workspace_floats"] == 0
     # By default the wgmma dK/dV kernel adds dQ by atomics: no dQ launch.
     fast = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)

@@ -286,7 +286,7 @@ def test_decode_kernel_rules():
   assert plan["blocks"] == 128 and plan["cluster"] == 1
   # Few keys: one block per key step.
   short = _h100_launch(1, 1, 300, 8, 8, 128, blocks_per_sm=1)
-  assert short["blocks"] == 8 * -(-300 // short["block_n"])
+  assert short["blocks"] == 8 * -(-300 // short["Bc"])
   # Every head in one step: nothing to split.
   whole = _h100_launch(132, 1, 64, 8, 1, 128, blocks_per_sm=1)
   assert whole["blocks"] == 132 and whole["slots"] == 0 and whole["counters"] == 0
@@ -301,7 +301,7 @@ def test_forward_split_rule():
   split = _h100_launch(1, 40, 65536, 8, 8, 128, blocks_per_sm=2)
   assert split["units"] == 8 and split["parts"] == 33 and split["blocks"] == 8 * 33
   assert split["slots"] == 8 * 33 and split["counters"] == 0
-  assert split["workspace_floats"] == 8 * 33 * split["block_m"] * (128 + 1)
+  assert split["workspace_floats"] == 8 * 33 * split["Br"] * (128 + 1)
   assert _h100_launch(1, 40, 4096, 8, 8, 128, blocks_per_sm=2)["parts"] == 4096 // 256
   assert _h100_launch(1, 40, 10 ** 7, 1, 1, 128, blocks_per_sm=2)["parts"] == 64
   assert _h100_launch(1, 40, 100, 1, 1, 128, blocks_per_sm=2)["parts"] == 1

@@ -181,7 +181,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
 }
 
 std::vector<std::pair<std::string, int64_t>> LaunchPlan::Facts() const {
-  return {{"block_m", tile.block_m},     {"block_n", tile.block_n},
+  return {{"Br", tile.Br},               {"Bc", tile.Bc},
           {"threads", tile.threads},     {"smem_bytes", tile.smem_bytes},
           {"units", units},              {"blocks", blocks},
           {"parts", parts},              {"slots", slots},
@@ -208,15 +208,15 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
   LaunchPlan l;
   l.tile = v.Tile(cc);
   const int64_t wave = int64_t{multiprocessors} * blocks_per_sm;
-  const int64_t rows = l.tile.block_m;
+  const int64_t rows = l.tile.Br;
   if (v.backward) {
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
-    l.units = v.backward == 2 ? 0 : fa_forward_units(dims, l.tile.block_m);
-    l.blocks = CeilDiv(S, l.tile.block_n) * K * B * fa_backward_parts(v.kernel_sm, v.head_dim);
+    l.units = v.backward == 2 ? 0 : fa_forward_units(dims, l.tile.Br);
+    l.blocks = CeilDiv(S, l.tile.Bc) * K * B * fa_backward_parts(v.kernel_sm, v.head_dim);
   } else if (v.decode_rows) {
     // The lean partition of the B * K heads' key steps (at most ceil(S /
-    // block_n) each, at least one), over `blocks` blocks: the count with the
+    // Bc) each, at least one), over `blocks` blocks: the count with the
     // shortest modeled time, blocks running in ceil(blocks / wave) waves of
     // a share's keys plus a fixed cost (launch, first loads, the merge: about
     // kDecodeSplitCostKeys keys' worth, fitted on the H100). A whole number of
@@ -238,12 +238,12 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // shares stay equal in keys, so long sequences get more blocks than
     // short ones.
     l.units = B * K;
-    const int64_t unit_steps = std::max<int64_t>(1, CeilDiv(S, l.tile.block_n));
+    const int64_t unit_steps = std::max<int64_t>(1, CeilDiv(S, l.tile.Bc));
     const int64_t steps = l.units * unit_steps;
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t s = 1; s <= std::min(unit_steps, kMaxDecodeSplits); ++s) {
       const int64_t cost = CeilDiv(l.units * s, wave) *
-                           (CeilDiv(unit_steps, s) * l.tile.block_n + kDecodeSplitCostKeys);
+                           (CeilDiv(unit_steps, s) * l.tile.Bc + kDecodeSplitCostKeys);
       if (cost < best_cost) best = s, best_cost = cost;
     }
     // Where a unit's segments can run as one cluster and merge in its shared
@@ -275,7 +275,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
   } else {
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
-    l.units = fa_forward_units(dims, l.tile.block_m);
+    l.units = fa_forward_units(dims, l.tile.Br);
     l.parts = static_cast<int>(SplitCount(l.units, S, wave, kMinSplitKeys, kMaxSplits));
     l.blocks = l.units * l.parts;
     if (l.parts > 1) l.slots = l.blocks;

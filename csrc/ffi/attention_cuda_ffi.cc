@@ -329,7 +329,7 @@ ffi::Error FillSplit(const ContextState& c, ffi::Buffer<ffi::F32> workspace, int
         " floats, the launch needs " + std::to_string(c.plan.workspace_floats));
   }
   s->partial_out = workspace.typed_data();
-  s->partial_lse = s->partial_out + c.plan.slots * c.plan.tile.block_m * H;
+  s->partial_lse = s->partial_out + c.plan.slots * c.plan.tile.Br * H;
   s->counters = reinterpret_cast<unsigned*>(c.counters);
   return ffi::Error::Success();
 }
@@ -357,13 +357,13 @@ ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const FaTile& t
         cu::kTensorMapL2Promotion256B, cu::kTensorMapOobFillZeros);
     return cu::DriverError(d, rc, name);
   };
-  std::string error = encode(&maps->q, p.q, p.q_stride, p.N, p.T, tile.block_m,
+  std::string error = encode(&maps->q, p.q, p.q_stride, p.N, p.T, tile.Br,
                              "cuTensorMapEncodeTiled(query)");
   if (error.empty() && p.S > 0) {
-    error = encode(&maps->k, p.k, p.kv_stride, p.K, p.S, tile.block_n,
+    error = encode(&maps->k, p.k, p.kv_stride, p.K, p.S, tile.Bc,
                    "cuTensorMapEncodeTiled(key)");
     if (error.empty()) {
-      error = encode(&maps->v, p.v, p.kv_stride, p.K, p.S, tile.block_n,
+      error = encode(&maps->v, p.v, p.kv_stride, p.K, p.S, tile.Bc,
                      "cuTensorMapEncodeTiled(value)");
     }
   }

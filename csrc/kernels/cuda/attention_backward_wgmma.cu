@@ -43,12 +43,10 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_backward_tile(90, kH, FA_ATOMIC_DQ);
 constexpr int kWG = 2;                   // consumer warpgroups of 64 rows
 constexpr int kThreads = kTile.threads;  // + the producer warpgroup
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-constexpr int kBr = kTile.block_m;       // fa_backward_dq: query rows per block
-constexpr int kBc = kTile.block_n;       // fa_backward_dkdv: keys per block
+// kBr: fa_backward_dq's query rows per block; kBc: fa_backward_dkdv's keys per block.
 constexpr int kStep = fa_wgmma_backward_step(kH);
 constexpr int kStages = kFaWgmmaBackwardStages;
 constexpr int kBlockBytes = 128 * kH * 2;  // a resident tile of 128 rows

@@ -122,8 +122,8 @@ struct FaTmaMaps {
 
 // The forward kernels' grid: ceil(T / Br) * N * B units, each split in
 // `parts` (FaSplitKV). Host and device compute it here.
-FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int block_m) {
-  return (long long)((p.T + block_m - 1) / block_m) * p.N * p.B;
+FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int Br) {
+  return (long long)((p.T + Br - 1) / Br) * p.N * p.B;
 }
 
 #ifdef __CUDACC_RTC__
@@ -131,6 +131,20 @@ FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int block_m) {
 // The compute capability being compiled for, as attention_tiles.cuh and the
 // host encode a GPU (10 * major + minor; __CUDA_ARCH__ is 10 times that).
 constexpr int kFaCc = __CUDA_ARCH__ / 10;
+
+// The tile of the variant being compiled: what KernelVariant::Tile gives the
+// host (csrc/cuda/variants.cc), from the same function for its kind, picked
+// by the defines the variant sets. Its Br and Bc are the kernels' kBr and kBc.
+constexpr FaTile kTile =
+#if defined(FA_DECODE_ROWS)
+    fa_decode_tile(FA_KERNEL_SM, FA_DECODE_ROWS, FA_HEAD_DIM, kFaCc);
+#elif defined(FA_ATOMIC_DQ)
+    fa_backward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_ATOMIC_DQ);
+#else
+    fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, kFaCc);
+#endif
+constexpr int kBr = kTile.Br;
+constexpr int kBc = kTile.Bc;
 
 #define FA_NEG_INF __int_as_float(0xff800000)
 
@@ -143,9 +157,9 @@ __device__ __forceinline__ int fa_kv_len(const FaOperands& p, int b) {
 }
 
 // The key tiles of Bc keys, [*t_begin, *t_end), that cover keys [lo, hi).
-__device__ __forceinline__ void fa_key_tiles(int lo, int hi, int bc, int* t_begin, int* t_end) {
-  *t_begin = lo / bc;
-  *t_end = hi > lo ? (hi + bc - 1) / bc : *t_begin;
+__device__ __forceinline__ void fa_key_tiles(int lo, int hi, int Bc, int* t_begin, int* t_end) {
+  *t_begin = lo / Bc;
+  *t_end = hi > lo ? (hi + Bc - 1) / Bc : *t_begin;
 }
 
 // Split-KV: the share [*t_begin, *t_end) of the key tiles that split `split`
@@ -282,9 +296,9 @@ __device__ __forceinline__ void fa_store_quad(void* out, long long at, const flo
 
 // --- Blocks and tiles ---------------------------------------------------------
 
-// What a block of fa_forward owns: query rows [m0, m0 + block_m) of batch b,
+// What a block of fa_forward owns: query rows [m0, m0 + Br) of batch b,
 // head n (reading key/value head kvh), and split `split` of their key tiles:
-// unit `unit` of fa_forward_units. [t_begin, t_end) are the tiles of block_n
+// unit `unit` of fa_forward_units. [t_begin, t_end) are the tiles of Bc
 // keys it walks: its split's share of those covering the keys [lo, hi) that
 // some row of the block sees. Consecutive blocks share (b, n), so the K/V
 // they stream hit L2 together; the splits of one unit are grid-wide apart,
@@ -293,8 +307,8 @@ struct FaBlock {
   int b, n, kvh, m0, q_len, kv_len, split, unit, lo, hi, t_begin, t_end;
 };
 
-__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m, int block_n) {
-  const int num_m = (p.T + block_m - 1) / block_m;
+__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int Br, int Bc) {
+  const int num_m = (p.T + Br - 1) / Br;
   const int units = num_m * p.N * p.B;
   FaBlock k;
   k.split = blockIdx.x / units;
@@ -304,10 +318,10 @@ __device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m, int 
   k.n = bn % p.N, k.b = bn / p.N;
   if (p.rules.causal) mb = num_m - 1 - mb;
   k.kvh = k.n / (p.N / p.K);
-  k.m0 = mb * block_m;
+  k.m0 = mb * Br;
   k.q_len = fa_q_len(p, k.b), k.kv_len = fa_kv_len(p, k.b);
-  fa_rows_keys(p.rules, k.q_len, k.kv_len, k.m0, k.m0 + block_m, &k.lo, &k.hi);
-  fa_key_tiles(k.lo, k.hi, block_n, &k.t_begin, &k.t_end);
+  fa_rows_keys(p.rules, k.q_len, k.kv_len, k.m0, k.m0 + Br, &k.lo, &k.hi);
+  fa_key_tiles(k.lo, k.hi, Bc, &k.t_begin, &k.t_end);
   fa_split_tiles(k.split, p.split.parts, &k.t_begin, &k.t_end);
   return k;
 }

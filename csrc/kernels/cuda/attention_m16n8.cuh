@@ -228,7 +228,7 @@ __device__ __forceinline__ void fa_pack_a(const float (&s)[kNs][4], int kk, unsi
 template <int kNo>
 __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o)[kNo][4],
                                               const float (&m)[2], const float (&l)[2],
-                                              int b, int n, int m0, int block_m, int row0,
+                                              int b, int n, int m0, int Br, int row0,
                                               int t4, float to_log2, long long slot) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -240,7 +240,7 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
     const float lse2 = lh == 0.f ? FA_NEG_INF : m[h] * to_log2 + fa_lg2(lh);
     if (i >= p.T) continue;
     if (slot >= 0) {
-      const long long row = slot * block_m + i - m0;
+      const long long row = slot * Br + i - m0;
       float* dst = p.split.partial_out + row * p.H;
       if (t4 == 0) p.split.partial_lse[row] = lse2;
 #pragma unroll

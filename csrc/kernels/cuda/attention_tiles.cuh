@@ -55,8 +55,8 @@ FA_TILE_FN int fa_decode_rows(long long rows) {
 FA_TILE_FN int fa_decode_build(int kernel_sm) { return kernel_sm >= 80 ? 80 : 75; }
 
 struct FaTile {
-  int block_m;     // Br: query rows per block (decode: rows per block)
-  int block_n;     // Bc: keys per tile (decode: keys per iteration of a block)
+  int Br;          // query rows per block (decode: rows per block)
+  int Bc;          // keys per tile (decode: keys per iteration of a block)
   int threads;
   int smem_bytes;  // dynamic shared memory per block
 };
@@ -75,12 +75,12 @@ FA_TILE_FN int fa_mma16_smem_budget(int kernel_sm, int cc) {
                   : 99 * 1024;                                    // sm_86, sm_89
 }
 // Shared-memory rows are padded by 16 bytes (see attention_mma16.cu).
-FA_TILE_FN int fa_mma16_smem(int kernel_sm, int h, int bc) {
-  return (4 * 16 * fa_mma16_m_tiles(h) + fa_mma16_stages(kernel_sm) * 2 * bc) * (2 * h + 16);
+FA_TILE_FN int fa_mma16_smem(int kernel_sm, int h, int Bc) {
+  return (4 * 16 * fa_mma16_m_tiles(h) + fa_mma16_stages(kernel_sm) * 2 * Bc) * (2 * h + 16);
 }
 // Bc: as wide as registers allow (S and, on kernel 75, the prefetched tile
 // grow with it), then as shared memory allows.
-FA_TILE_FN int fa_mma16_bc(int kernel_sm, int h, int cc) {
+FA_TILE_FN int fa_mma16_Bc(int kernel_sm, int h, int cc) {
   const int most = kernel_sm == 75 ? (h <= 64 ? 64 : h <= 160 ? 32 : 16) : (h <= 64 ? 64 : 32);
   const int budget = fa_mma16_smem_budget(kernel_sm, cc);
   return most >= 64 && fa_mma16_smem(kernel_sm, h, 64) <= budget   ? 64
@@ -94,21 +94,21 @@ FA_TILE_FN int fa_mma16_bc(int kernel_sm, int h, int cc) {
 // registers.
 FA_TILE_FN int fa_volta_row_groups(int h) { return h > 128 ? 2 : 4; }
 // Bc: S takes Bc registers per lane and the K/V prefetch Bc * H / 256.
-FA_TILE_FN int fa_volta_bc(int h) { return h <= 64 ? 64 : h < 224 ? 32 : 16; }
+FA_TILE_FN int fa_volta_Bc(int h) { return h <= 64 ? 64 : h < 224 ? 32 : 16; }
 // Bytes of a tile of `rows` rows: H / 4 chunks of 8 bytes plus one of padding.
 FA_TILE_FN int fa_volta_tile_bytes(int rows, int h) { return rows * (h / 4 + 1) * 8; }
 // V100 gives 96 KB of shared memory to an SM: where Q, K and V would keep a
 // second block out, V reuses K's buffer.
 FA_TILE_FN bool fa_volta_one_kv(int h) {
   return fa_volta_tile_bytes(4 * 8 * fa_volta_row_groups(h), h) +
-             2 * fa_volta_tile_bytes(fa_volta_bc(h), h) > 48 * 1024;
+             2 * fa_volta_tile_bytes(fa_volta_Bc(h), h) > 48 * 1024;
 }
 
 // --- attention_wgmma.cu (kernel 90) ---------------------------------------------
 
 // Bc: a consumer thread holds S (Bc / 2 registers), the previous tile's P
 // (Bc / 4) and O (H / 2) at once; these are the widest that do not spill.
-FA_TILE_FN int fa_wgmma_bc(int h, bool extras) {
+FA_TILE_FN int fa_wgmma_Bc(int h, bool extras) {
   return h <= 128 ? (extras ? 64 : 128) : h <= 192 ? 64 : 32;
 }
 constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
@@ -237,8 +237,8 @@ FA_TILE_FN int fa_wgmma_backward_dq_stage_bytes(int h) {
   return 128 * fa_wgmma_backward_dq_pitch(h) * 4;
 }
 
-// The backward kernels' tile: block_m query rows per fa_backward_dq block,
-// block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
+// The backward kernels' tile: Br query rows per fa_backward_dq block, Bc
+// keys per fa_backward_dkdv block, 4 warps, shared memory for the
 // larger of the two. Kernels 75 and 80: fa_backward_dq on Br = 64 query rows
 // (16 per warp) holding Q, dO and the stages' K and V tiles of
 // fa_backward_dq_keys; fa_backward_dkdv on Bc = 64 keys holding K, V, and
@@ -259,13 +259,13 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
     return FaTile{128, 128, 3 * 128, (dq > dkdv ? dq : dkdv) + 1024 + 128};
   }
   if (kernel_sm == 70) {
-    const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
+    const int Br = 4 * 8 * fa_volta_row_groups(h), Bc = 4 * 8 * fa_volta_backward_key_groups(h);
     const int rows = kFaVoltaBackwardQueryRows;
     const int dkdv =
-        2 * fa_volta_tile_bytes(bc, h) + 2 * fa_volta_tile_bytes(rows, h) + 2 * rows * 4;
+        2 * fa_volta_tile_bytes(Bc, h) + 2 * fa_volta_tile_bytes(rows, h) + 2 * rows * 4;
     const int dq =
-        2 * fa_volta_tile_bytes(br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
-    return FaTile{br, bc, 128, dq > dkdv ? dq : dkdv};
+        2 * fa_volta_tile_bytes(Br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
+    return FaTile{Br, Bc, 128, dq > dkdv ? dq : dkdv};
   }
   const int rows = fa_backward_query_rows(kernel_sm, h), stages = fa_backward_stages(kernel_sm, h);
   const int dq = fa_backward_dq_smem(kernel_sm, h, fa_backward_dq_keys(kernel_sm, h));
@@ -280,18 +280,18 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
 // compiled in.
 FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int cc) {
   if (kernel_sm == 90) {
-    const int bc = fa_wgmma_bc(h, extras);
+    const int Bc = fa_wgmma_Bc(h, extras);
     // Q, the K and V stages, then alignment slack and the mbarriers.
-    return FaTile{128, bc, 3 * 128, 128 * h * 2 + kFaWgmmaStages * 2 * bc * h * 2 + 1024 + 128};
+    return FaTile{128, Bc, 3 * 128, 128 * h * 2 + kFaWgmmaStages * 2 * Bc * h * 2 + 1024 + 128};
   }
   if (kernel_sm == 70) {
-    const int br = 4 * 8 * fa_volta_row_groups(h), bc = fa_volta_bc(h);
-    return FaTile{br, bc, 128,
-                  fa_volta_tile_bytes(br, h) +
-                      (fa_volta_one_kv(h) ? 1 : 2) * fa_volta_tile_bytes(bc, h)};
+    const int Br = 4 * 8 * fa_volta_row_groups(h), Bc = fa_volta_Bc(h);
+    return FaTile{Br, Bc, 128,
+                  fa_volta_tile_bytes(Br, h) +
+                      (fa_volta_one_kv(h) ? 1 : 2) * fa_volta_tile_bytes(Bc, h)};
   }
-  const int bc = fa_mma16_bc(kernel_sm, h, cc);
-  return FaTile{4 * 16 * fa_mma16_m_tiles(h), bc, 128, fa_mma16_smem(kernel_sm, h, bc)};
+  const int Bc = fa_mma16_Bc(kernel_sm, h, cc);
+  return FaTile{4 * 16 * fa_mma16_m_tiles(h), Bc, 128, fa_mma16_smem(kernel_sm, h, Bc)};
 }
 
 // The tile of the decode kernel, build 75 or 80, at `rows` rows per block

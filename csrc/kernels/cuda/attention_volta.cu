@@ -60,17 +60,15 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_forward_tile(70, kH, FA_EXTRAS, kFaCc);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRG = fa_volta_row_groups(kH);  // row groups (of 8 rows) per warp
 constexpr int kHS = 4 / kRG;           // column parts of O per row group
 constexpr int kRW = 8 * kRG;           // Bb: rows per warp
-constexpr int kBr = kTile.block_m;     // kRW * kWarps
-// Bc (attention_tiles.cuh): 64 keys halve the barriers per key while O is
-// small; 32 keep H = 128 at 128 + 32 + 16 registers, and 16 keep H >= 224
-// (O at 128 again) out of spills.
-constexpr int kBc = kTile.block_n;
+static_assert(kBr == kRW * kWarps, "the tile of attention_tiles.cuh");
+// kBc (attention_tiles.cuh: fa_volta_Bc): 64 keys halve the barriers per key
+// while O is small; 32 keep H = 128 at 128 + 32 + 16 registers, and 16 keep
+// H >= 224 (O at 128 again) out of spills.
 constexpr int kNTS = kBc / 8;          // S n-tiles
 constexpr int kKS = kH / 4;            // QK^T k-steps
 constexpr int kKK = kBc / 4;           // PV k-steps
