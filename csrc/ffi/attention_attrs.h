@@ -1,7 +1,8 @@
-// What the CPU and CUDA FFI handlers share: the attributes of one call
+// What the FFI handlers share: the attributes of one call
 // (fastattn_jax/backends.py and cuda.py build them), decoded into the index
-// rules once, the checks of the operands' shapes, and the record of the plan
-// each target ran its latest call with.
+// rules once, the kernels' codes of XLA's element types, the checks of the
+// operands' shapes, and the record of the plan each target ran its latest
+// call with.
 #pragma once
 
 #include <algorithm>

@@ -128,6 +128,8 @@ FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int Br) {
 
 #ifdef __CUDACC_RTC__
 
+namespace {
+
 // The compute capability being compiled for, as attention_tiles.cuh and the
 // host encode a GPU (10 * major + minor; __CUDA_ARCH__ is 10 times that).
 constexpr int kFaCc = __CUDA_ARCH__ / 10;
@@ -145,6 +147,8 @@ constexpr FaTile kTile =
 #endif
 constexpr int kBr = kTile.Br;
 constexpr int kBc = kTile.Bc;
+
+}  // namespace
 
 #define FA_NEG_INF __int_as_float(0xff800000)
 
