@@ -24,7 +24,7 @@ CSRC = os.path.dirname(os.path.abspath(__file__))
 SETS = {
     "cuda": (("kernels/cuda/*.cu", "kernels/cuda/*.cuh", "kernels/attention_*.h"), None),
     "ascend": (("kernels/ascend/*.cpp", "kernels/ascend/*.h", "kernels/ascend/sim/*",
-                "kernels/attention_rules.h"), "kernels"),
+                "kernels/attention_dtypes.h", "kernels/attention_rules.h"), "kernels"),
 }
 
 _DELIMITER = "fastattn_src"

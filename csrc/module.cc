@@ -15,6 +15,7 @@
 #include "cuda/variants.h"
 #include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
+#include "kernels/attention_dtypes.h"
 #include "kernels/cpu/attention_cpu.h"
 
 // The build system that compiled this module ("cmake" or "bazel"), so that a
@@ -105,6 +106,10 @@ NB_MODULE(_ffi, m) {
     return out;
   }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
 
+  m.def("dtype_codes", []() {
+    return Dict({{"float16", kFaF16}, {"bfloat16", kFaBF16}, {"float32", kFaF32}});
+  }, "Every kernel's element type codes (csrc/kernels/attention_dtypes.h), by dtype name.");
+
   m.def("cpu_plan",
         [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t workers,
            bool backward) {
@@ -125,13 +130,8 @@ NB_MODULE(_ffi, m) {
     d["row_align"] = kFaRowAlign;
     d["max_decode_rows"] = kFaMaxDecodeRows;
     d["kernels"] = std::vector<int>{70, 75, 80, 90};
-    nb::dict dtypes;
-    dtypes["float16"] = int{cu::kF16};
-    dtypes["bfloat16"] = int{cu::kBF16};
-    dtypes["float32"] = int{cu::kF32};
-    d["dtypes"] = dtypes;
     return d;
-  }, "Head-dim limit, row alignment (elements), decode rows, kernel names, dtype codes.");
+  }, "Head-dim limit, row alignment (elements), decode rows, kernel names.");
   m.def("cuda_runs_on", &fa_runs_on, nb::arg("kernel_sm"), nb::arg("cc"),
         "Whether a GPU of compute capability cc (10 * major + minor) runs kernel kernel_sm.");
   m.def("cuda_default_kernel", &cu::DefaultKernel, nb::arg("cc"), nb::arg("head_dim"),
@@ -166,20 +166,20 @@ NB_MODULE(_ffi, m) {
         "with; ValueError names why it cannot.");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
-           int arch, int multiprocessors, int blocks_per_sm) {
+           int cc, int multiprocessors, int blocks_per_sm) {
           const cu::KernelVariant v = CheckedVariant(key);
-          if (blocks_per_sm <= 0) blocks_per_sm = cu::MaxBlocksPerSm(v.Tile(arch), arch);
+          if (blocks_per_sm <= 0) blocks_per_sm = cu::MaxBlocksPerSm(v.Tile(cc), cc);
           const cu::LaunchPlan l =
-              cu::PlanLaunch(v, B, T, S, N, K, H, arch, multiprocessors, blocks_per_sm);
+              cu::PlanLaunch(v, B, T, S, N, K, H, cc, multiprocessors, blocks_per_sm);
           nb::dict d = Dict(l.Facts());
           d["blocks_per_sm"] = blocks_per_sm;
           return d;
         },
         nb::arg("variant"), nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"),
-        nb::arg("K"), nb::arg("H"), nb::arg("arch"), nb::arg("multiprocessors"),
+        nb::arg("K"), nb::arg("H"), nb::arg("cc"), nb::arg("multiprocessors"),
         nb::arg("blocks_per_sm") = 0,
-        "The launch of a variant on a GPU of arch (900) with that many multiprocessors; "
-        "blocks_per_sm 0: the most the multiprocessor's limits allow.");
+        "The launch of a variant on a GPU of compute capability cc (90) with that many "
+        "multiprocessors; blocks_per_sm 0: the most the multiprocessor's limits allow.");
   m.def("cuda_operand_dtype", &cu::OperandDtype, nb::arg("kernel_sm"), nb::arg("dtype"),
         "The dtype code the forward kernel kernel_sm multiplies dtype inputs in.");
   m.def("cuda_variant", [](int64_t key) { return VariantDict(CheckedVariant(key)); },
@@ -214,27 +214,28 @@ NB_MODULE(_ffi, m) {
   m.def("set_cache_dir", &cu::SetCacheDir, nb::arg("path"),
         "Folder of the on-disk kernel cache ('' disables it).");
   m.def("nvrtc_version_for",
-        [](const std::string& arch) {
+        [](int cc) {
           std::string error;
-          std::string version = cu::NvrtcVersionFor(arch, &error);
+          std::string version = cu::NvrtcVersionFor(cc, &error);
           if (version.empty()) throw std::runtime_error(error);
           return version;
         },
-        nb::arg("arch"), "The NVRTC version that compiles for arch ('sm_70'); RuntimeError if none.");
+        nb::arg("cc"),
+        "The NVRTC version that compiles for compute capability cc (70); RuntimeError if none.");
   m.def("compile_kernel",
-        [](int64_t key, const std::string& arch) {
+        [](int64_t key, int cc) {
           const cu::KernelVariant v = cu::KernelVariant::FromKey(key);
           cu::CompiledKernel k;
           std::string error;
           bool ok;
           {
             nb::gil_scoped_release release;
-            ok = cu::GetCompiledKernel(v, arch, &k, &error);
+            ok = cu::GetCompiledKernel(v, cc, &k, &error);
           }
           if (!ok) throw std::runtime_error(error);
           nb::dict r;
           r["variant"] = v.Describe();
-          r["arch"] = k.arch;
+          r["target"] = k.target;
           r["from_cache"] = k.from_cache;
           r["seconds"] = k.seconds;
           r["log"] = k.log;
@@ -242,9 +243,10 @@ NB_MODULE(_ffi, m) {
           r["cubin_bytes"] = k.cubin.size();
           return r;
         },
-        nb::arg("variant"), nb::arg("arch"),
-        "Compiles a variant for arch ('sm_90') or reads it from the disk cache; raises "
-        "RuntimeError with NVRTC's log on failure.");
+        nb::arg("variant"), nb::arg("cc"),
+        "Compiles a variant for compute capability cc (90) or reads it from the disk cache; "
+        "'target' is NVRTC's target it compiled for ('sm_90a'). Raises RuntimeError with "
+        "NVRTC's log on failure.");
 
   // --- Ascend kernel: its plan (csrc/ascend/ascend_plan.h) and sources ---------
 
@@ -252,9 +254,8 @@ NB_MODULE(_ffi, m) {
     return Dict({{"max_head_dim", kFaAscendMaxHeadDim}, {"cores", kFaAscendCores},
                  {"fractal", kFaAscendFractal}, {"ub_bytes", kFaAscendUbBytes},
                  {"l1_bytes", kFaAscendL1Bytes}, {"l0a_bytes", kFaAscendL0aBytes},
-                 {"l0b_bytes", kFaAscendL0bBytes}, {"l0c_bytes", kFaAscendL0cBytes},
-                 {"float16", kFaAscendF16}, {"bfloat16", kFaAscendBF16}});
-  }, "The 910B capacities (bytes), AI cores, fractal, largest head dim and dtype codes.");
+                 {"l0b_bytes", kFaAscendL0bBytes}, {"l0c_bytes", kFaAscendL0cBytes}});
+  }, "The 910B capacities (bytes), AI cores, fractal and largest head dim.");
   m.def("ascend_plan",
         [](int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H, int64_t dtype,
            std::optional<std::vector<int64_t>> tile) {
@@ -271,8 +272,8 @@ NB_MODULE(_ffi, m) {
             throw nb::value_error(why.c_str());
           }
           const FaAscendBuffers& b = plan.buffers;
-          return Dict({{"Br", plan.tile.br}, {"Bc", plan.tile.bc}, {"Bb", plan.tile.bb},
-                       {"Hp", plan.tile.hp}, {"dtype", plan.tile.dtype}, {"Tp", plan.Tp},
+          return Dict({{"Br", plan.tile.Br}, {"Bc", plan.tile.Bc}, {"Bb", plan.tile.Bb},
+                       {"Hp", plan.tile.Hp}, {"dtype", plan.tile.dtype}, {"Tp", plan.Tp},
                        {"Sp", plan.Sp}, {"splits", plan.splits}, {"cores", plan.cores},
                        {"workspace_floats", plan.workspace_floats},
                        {"l1_bytes", b.l1}, {"l0a_bytes", b.l0a}, {"l0b_bytes", b.l0b},

@@ -30,7 +30,7 @@ import numpy as np
 
 from fastattn_jax import _ffi
 from fastattn_jax.custom_calls import kernel_call
-from fastattn_jax.shapes import AttentionConfig
+from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 #: The CUDA targets: every forward kernel, and the backward kernels; the
 #: variant chosen by the lowering.
@@ -44,8 +44,6 @@ MAX_HEAD_DIM = _LIMITS["max_head_dim"]
 ROW_ALIGN = _LIMITS["row_align"]
 #: Implementation name -> the kernel (the sm it was written for).
 IMPLEMENTATIONS = {f"cuda_sm{kernel}": kernel for kernel in _LIMITS["kernels"]}
-#: The kernels' dtype codes.
-DTYPE_CODES = _LIMITS["dtypes"]
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 
@@ -185,7 +183,7 @@ def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -
   workspace the lowering allocates covers the loaded kernel's real plan."""
   cc = compute_capability(device)
   return _ffi.cuda_plan_launch(plan_["variant"], *kernel_shape(plan_, q_shape, k_shape),
-                               cc * 10, multiprocessors(device), blocks_per_sm)
+                               cc, multiprocessors(device), blocks_per_sm)
 
 
 def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
@@ -256,30 +254,30 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
 
 # --- compiling ahead of time ---------------------------------------------------------
 
-def parse_arch(text: str) -> str:
-  """'sm_90', 'sm90', '90' or '9.0' -> 'sm_90'."""
+def parse_cc(text: str) -> int:
+  """A GPU named as 'sm_90', 'sm90', '90' or '9.0' -> its compute capability, 90."""
   t = text.strip().lower().removeprefix("sm_").removeprefix("sm").replace(".", "")
   if not t.isdigit() or int(t) < 70:
     raise ValueError(f"not a CUDA arch of compute capability >= 7.0: {text!r}")
-  return f"sm_{t}"
+  return int(t)
 
 
-def shipped_variants(arch: str, head_dims=None, dtypes=("float16", "bfloat16")) -> list[int]:
+def shipped_variants(cc: int, head_dims=None, dtypes=("float16", "bfloat16")) -> list[int]:
   """Keys of the variants ``python -m fastattn_jax.precompile`` builds for
-  ``arch`` ("sm_90"), at ``head_dims`` (default: every multiple of 32 up to
-  the largest) and input ``dtypes``; ``_ffi.cuda_variant(key)`` describes one."""
+  compute capability ``cc`` (90), at ``head_dims`` (default: every multiple
+  of 32 up to the largest) and input ``dtypes``; ``_ffi.cuda_variant(key)``
+  describes one."""
   head_dims = range(32, MAX_HEAD_DIM + 1, 32) if head_dims is None else head_dims
-  return _ffi.cuda_shipped_variants(int(arch.removeprefix("sm_")), list(head_dims),
-                                    [DTYPE_CODES[d] for d in dtypes])
+  return _ffi.cuda_shipped_variants(cc, list(head_dims), [DTYPE_CODES[d] for d in dtypes])
 
 
-def compile_variant(key: int, arch: str) -> dict:
-  """Compiles variant ``key`` for ``arch`` ("sm_90") or reads it from the disk
-  cache; see ``_ffi.compile_kernel``.
+def compile_variant(key: int, cc: int) -> dict:
+  """Compiles variant ``key`` for compute capability ``cc`` (90) or reads it
+  from the disk cache; see ``_ffi.compile_kernel``.
 
   Raises:
-    RuntimeError: no NVRTC can compile for ``arch``, or the variant does not
+    RuntimeError: no NVRTC can compile for ``cc``, or the variant does not
       exist there (the message says why).
   """
   _configured()
-  return _ffi.compile_kernel(key, arch)
+  return _ffi.compile_kernel(key, cc)

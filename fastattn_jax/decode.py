@@ -111,7 +111,8 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   CUDA GPUs, steps with T * N / K <= 8 query rows per key/value head run a
   dedicated decode kernel: one block holds all those rows and streams its
   share of the cache head once, and the last block of each head merges the
-  splits in the same launch (``fastattn_jax.backends.decode_call``).
+  splits in the same launch (``csrc/kernels/cuda/attention_decode.cu``, chosen
+  by the planner, ``csrc/cuda/variants.cc``: ``PlanCall``).
   Algorithm: the online softmax of FlashAttention-2 over key chunks, with
   FastAttention's (Lin et al., 2024) per-tile masks; split-KV after Dao et
   al., "Flash-Decoding for long-context inference" (2023).

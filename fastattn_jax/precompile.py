@@ -18,8 +18,8 @@ import os
 import re
 import sys
 
-
 from fastattn_jax import _ffi, cuda
+from fastattn_jax.shapes import DTYPE_CODES
 
 
 def spills(log: str) -> int:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m fastattn_jax.precompile",
       description="Compile fastattn_jax's CUDA kernels into the kernel cache (no GPU needed).")
-  parser.add_argument("--arch", type=_csv(cuda.parse_arch), required=True,
+  parser.add_argument("--arch", dest="ccs", type=_csv(cuda.parse_cc), required=True,
                       help="comma-separated GPU archs, e.g. sm_70,sm_75,sm_80,sm_90")
   parser.add_argument("--head-dims", type=_csv(int),
                       default=list(range(32, cuda.MAX_HEAD_DIM + 1, 32)),
@@ -47,27 +47,28 @@ def main(argv=None) -> int:
                       help="parallel compiles (default: CPU count)")
   args = parser.parse_args(argv)
   for d in args.dtypes:
-    if d not in cuda.DTYPE_CODES:
+    if d not in DTYPE_CODES:
       parser.error(f"--dtypes: unknown dtype {d!r}")
   cuda.configure()  # FASTATTN_CACHE_DIR / FASTATTN_NVRTC as set now
   if not args.head_dims or not all(0 < h <= cuda.MAX_HEAD_DIM for h in args.head_dims):
     parser.error(f"--head-dims must be in 1..{cuda.MAX_HEAD_DIM}")
-  jobs = [(arch, key) for arch in args.arch
-          for key in cuda.shipped_variants(arch, args.head_dims, args.dtypes)]
+  jobs = [(cc, key) for cc in args.ccs
+          for key in cuda.shipped_variants(cc, args.head_dims, args.dtypes)]
 
   print(f"cache: {cuda.cache_dir() or '(disabled)'}; {len(jobs)} kernels", flush=True)
   failed, built = [], 0
   with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-    futures = {pool.submit(cuda.compile_variant, key, arch): (arch, key) for arch, key in jobs}
+    futures = {pool.submit(cuda.compile_variant, key, cc): (cc, key) for cc, key in jobs}
     for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-      arch, key = futures[fut]
+      cc, key = futures[fut]
       try:
         r = fut.result()
         built += not r["from_cache"]
         if spills(r["log"]):
-          print(f"note: {r['variant']} for {arch} spills registers ({spills(r['log'])} bytes)")
+          print(f"note: {r['variant']} for {r['target']} spills registers "
+                f"({spills(r['log'])} bytes)")
       except RuntimeError as err:
-        failed.append(f"{arch} {_ffi.cuda_variant(key)['describe']}: {err}")
+        failed.append(f"{_ffi.cuda_variant(key)['describe']} for compute capability {cc}: {err}")
       if sys.stderr.isatty():
         print(f"\r{done}/{len(jobs)} kernels", end="" if done < len(jobs) else "\n",
               file=sys.stderr, flush=True)

@@ -16,8 +16,13 @@ from typing import Any
 import numpy as np
 import jax.numpy as jnp
 
+from fastattn_jax import _ffi
+
 #: Element types the fused kernels compute in (float32 accumulation).
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+#: Every kernel's code of each of them, by dtype name: the one numbering the
+#: extension's plan functions take and return (csrc/kernels/attention_dtypes.h).
+DTYPE_CODES = _ffi.dtype_codes()
 #: Element types any path accepts; float64 is served by the reference math.
 SUPPORTED_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
 
@@ -40,8 +45,8 @@ class AttentionConfig:
     has_bias, has_mask, has_q_lens, has_kv_lens: which optional operands follow
       query, key and value, in that order.
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
-    deterministic: the backward sums in a fixed order (on kernel 80's CUDA
-      paths: dQ in a pass of its own rather than by atomics).
+    deterministic: the backward sums in a fixed order (on kernel 90's CUDA
+      path, "cuda_sm90": dQ in a pass of its own rather than by atomics).
   """
 
   scale: float

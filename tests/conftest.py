@@ -54,9 +54,9 @@ def pytest_sessionstart(session):
   if "PYTEST_XDIST_WORKER" in os.environ or not tu.has_gpu():
     return
   from fastattn_jax import cuda, precompile
-  arch = f"sm_{cuda.compute_capability()}"
-  if precompile.main(["--arch", arch]) != 0:
-    pytest.exit(f"precompile for {arch} failed (above)", returncode=1)
+  cc = cuda.compute_capability()
+  if precompile.main(["--arch", str(cc)]) != 0:
+    pytest.exit(f"precompile for compute capability {cc} failed (above)", returncode=1)
 
 
 def pytest_collection_modifyitems(config, items):

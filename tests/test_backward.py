@@ -25,6 +25,7 @@ import fa_testutil as tu
 import fastattn_jax
 from fastattn_jax import (_ffi, attention, backends, cuda, fast_attention, primitive,
                           reference, resolve_implementation)
+from fastattn_jax.shapes import DTYPE_CODES
 
 #: Floor of the rule, relative to the largest reference gradient: a few ulps of
 #: the dtype (the gradients are rounded to it; float32 sums rows in another
@@ -91,7 +92,7 @@ CASES = {
     "bf16_combined": Case(dtype="bfloat16", opts=(("local_window_size", (30, 30)),
                                                   ("logits_soft_cap", 20.0)),
                           bias=(2, 4, 97, 130)),
-    # The fixed-order backward (sm80 / sm90: dQ in a pass of its own, not by
+    # The fixed-order backward (sm90: dQ in a pass of its own, not by
     # atomics; the same kernels elsewhere).
     "deterministic_gqa": Case(N=8, K=2, H=128, dtype="bfloat16",
                               opts=(("is_causal", True), ("deterministic", True))),
@@ -127,7 +128,7 @@ def test_gradients_by_the_flash_attention_rule(name, rng, impl):
   ours = _grads(impl, q, k, v, d_out, bias, mask, opts)
   # A path that multiplies in a narrower dtype (CUDA: float32 -> float16) is
   # held to the xla path's gradients of inputs rounded the same way, as the
-  # forward is (fa_testutil.check).
+  # forward is (fa_testutil.check_call).
   computed = tu.DTYPES[tu.computed_dtype(impl, case.dtype)]
   rounded = (None if x is None else x.astype(computed) for x in (q, k, v, d_out, bias))
   xla = [g.astype(q.dtype) for g in _grads("xla", *rounded, mask, opts)]
@@ -310,26 +311,26 @@ def test_cuda_backward_plan_rules():
   config = attention.AttentionConfig(scale=0.125, is_causal=True)
   q, k = (2, 1000, 8, 64), (2, 999, 2, 64)
   fixed = dataclasses.replace(config, deterministic=True)
-  for path, kernel, bc, br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
+  for path, kernel, Bc, Br in (("cuda_sm70", 70, 128, 128), ("cuda_sm75", 75, 64, 64),
                                ("cuda_sm80", 80, 64, 64), ("cuda_sm90", 90, 128, 128)):
     plan = cuda.plan(path, fixed, q, k, jnp.bfloat16, backward=True)
     assert plan["backward"] == 1 and plan["kernel_sm"] == kernel and plan["head_dim"] == 64
-    assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
+    assert plan["operand_dtype"] == DTYPE_CODES["bfloat16" if kernel >= 80 else "float16"]
     launch = _ffi_launch(plan, q, k)
-    assert launch["blocks"] == -(-999 // bc) * 2 * 2 and launch["units"] == -(-1000 // br) * 8 * 2
+    assert launch["blocks"] == -(-999 // Bc) * 2 * 2 and launch["units"] == -(-1000 // Br) * 8 * 2
     assert launch["workspace_floats"] == 0
     # By default the wgmma dK/dV kernel adds dQ by atomics: no dQ launch.
     fast = cuda.plan(path, config, q, k, jnp.bfloat16, backward=True)
     assert fast["backward"] == (2 if kernel == 90 else 1)
     assert _ffi_launch(fast, q, k)["units"] == (0 if kernel == 90 else launch["units"])
-  for path, arch, smem in (("cuda_sm70", 700, 96), ("cuda_sm75", 750, 64), ("cuda_sm90", 900, 227)):
+  for path, cc, smem in (("cuda_sm70", 70, 96), ("cuda_sm75", 75, 64), ("cuda_sm90", 90, 227)):
     for h in range(32, 129, 32):
       qh, kh = (1, 100, 2, h), (1, 100, 2, h)
       plan = cuda.plan(path, config, qh, kh, jnp.float16, True, backward=True)
-      assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), arch, 40,
+      assert _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, qh, kh), cc, 40,
                                    1)["smem_bytes"] <= smem * 1024, (path, h)
   assert cuda.plan("cuda_sm80", config, q, k, jnp.float32, backward=True)["operand_dtype"] == (
-      cuda.DTYPE_CODES["float16"])
+      DTYPE_CODES["float16"])
   for cfg, bias, mask in ((config, True, False), (config, False, True),
                           (dataclasses.replace(config, softcap=5.0), False, False)):
     assert cuda.plan("cuda_sm80", cfg, q, k, jnp.float16, bias, mask, backward=True)["extras"]
@@ -350,4 +351,4 @@ def test_cuda_backward_plan_rules():
 
 def _ffi_launch(plan, q_shape, k_shape):
   return _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, q_shape, k_shape),
-                               900, 132, 1)
+                               90, 132, 1)

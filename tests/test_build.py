@@ -44,11 +44,11 @@ def test_embedded_sources_are_the_checkouts(kind):
 
 def test_sources_set_names():
   sets = {kind: _embed_sources().sources(kind) for kind in ("cuda", "ascend")}
-  # NVRTC includes the shared rules by file name; the Ascend compile keeps
-  # the folders under csrc/kernels.
-  assert "attention_rules.h" in sets["cuda"]
-  assert {"attention_rules.h", "ascend/attention_ascend.cpp", "ascend/sim/stdfloat"} <= set(
-      sets["ascend"])
+  # NVRTC includes the shared rules and dtype codes by file name; the Ascend
+  # compile keeps the folders under csrc/kernels.
+  assert {"attention_dtypes.h", "attention_rules.h"} <= set(sets["cuda"])
+  assert {"attention_dtypes.h", "attention_rules.h", "ascend/attention_ascend.cpp",
+          "ascend/sim/stdfloat"} <= set(sets["ascend"])
   assert all(name.endswith((".cu", ".cuh", ".h")) for name in sets["cuda"])
 
 

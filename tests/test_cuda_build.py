@@ -17,9 +17,10 @@ import pytest
 
 import fa_testutil as tu
 from fastattn_jax import _ffi, cuda, precompile
-from fastattn_jax.shapes import AttentionConfig
+from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
-ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+#: The GPUs compiled for, by compute capability.
+CCS = [70, 75, 80, 86, 90]
 
 
 @pytest.fixture
@@ -33,30 +34,29 @@ def cache(tmp_path, monkeypatch):
 
 
 def _key(kernel_sm, head_dim, dtype, out_dtype, extras=False, decode_rows=0):
-  return _ffi.cuda_variant_key(kernel_sm, head_dim, cuda.DTYPE_CODES[dtype],
-                               cuda.DTYPE_CODES[out_dtype], extras, decode_rows)
+  return _ffi.cuda_variant_key(kernel_sm, head_dim, DTYPE_CODES[dtype],
+                               DTYPE_CODES[out_dtype], extras, decode_rows)
 
 
-def _main_variant(v: dict, arch: str) -> bool:
-  """The variants that must not spill: the kernel the arch picks itself, no
+def _main_variant(v: dict, cc: int) -> bool:
+  """The variants that must not spill: the kernel the GPU picks itself, no
   extras (bias, mask, soft cap), H <= 128; every backward kernel without
   extras; and every decode kernel."""
-  own = max(k for k in cuda.IMPLEMENTATIONS.values()
-            if _ffi.cuda_runs_on(k, int(arch.removeprefix("sm_"))))
+  own = max(k for k in cuda.IMPLEMENTATIONS.values() if _ffi.cuda_runs_on(k, cc))
   return v["decode_rows"] > 0 or (v["backward"] and not v["extras"]) or (
       v["kernel_sm"] == own and not v["extras"] and v["head_dim"] <= 128)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_shipped_variant_compiles(arch, cache):
+@pytest.mark.parametrize("cc", CCS)
+def test_every_shipped_variant_compiles(cc, cache):
   if tu.has_gpu():
     pytest.skip("CPU-only check (a GPU machine compiles for its own arch in the GPU suite)")
-  keys = cuda.shipped_variants(arch)
+  keys = cuda.shipped_variants(cc)
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    results = list(pool.map(lambda key: (_ffi.cuda_variant(key), cuda.compile_variant(key, arch)),
+    results = list(pool.map(lambda key: (_ffi.cuda_variant(key), cuda.compile_variant(key, cc)),
                             keys))
   spilling = [f"{v['describe']}: {precompile.spills(r['log'])} bytes" for v, r in results
-              if precompile.spills(r["log"]) and _main_variant(v, arch)]
+              if precompile.spills(r["log"]) and _main_variant(v, cc)]
   assert not spilling, "register spills in main variants:\n" + "\n".join(spilling)
   assert all(r["cubin_bytes"] > 0 and not r["from_cache"] for _, r in results)
   assert len(os.listdir(cache)) == len(keys)
@@ -65,7 +65,7 @@ def test_every_shipped_variant_compiles(arch, cache):
 def _compile_in_subprocess(cache_dir):
   code = (
       "from fastattn_jax import cuda\n"
-      f"r = cuda.compile_variant({_key(75, 64, 'float16', 'float16')}, 'sm_75')\n"
+      f"r = cuda.compile_variant({_key(75, 64, 'float16', 'float16')}, 75)\n"
       "print(r['from_cache'])\n")
   return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,
@@ -84,8 +84,8 @@ def test_concurrent_processes_share_the_cache(cache):
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
 def test_corrupt_entry_is_rebuilt(cache, damage):
   key = _key(80, 32, "float16", "float32", extras=True)
-  first = cuda.compile_variant(key, "sm_80")
-  assert not first["from_cache"] and cuda.compile_variant(key, "sm_80")["from_cache"]
+  first = cuda.compile_variant(key, 80)
+  assert not first["from_cache"] and cuda.compile_variant(key, 80)["from_cache"]
   (entry,) = cache.iterdir()
   data = bytearray(entry.read_bytes())
   if damage == "truncate":
@@ -95,26 +95,26 @@ def test_corrupt_entry_is_rebuilt(cache, damage):
   else:
     data = bytearray()
   entry.write_bytes(bytes(data))
-  rebuilt = cuda.compile_variant(key, "sm_80")
+  rebuilt = cuda.compile_variant(key, 80)
   assert not rebuilt["from_cache"] and rebuilt["cubin_bytes"] == first["cubin_bytes"]
-  assert cuda.compile_variant(key, "sm_80")["from_cache"]
+  assert cuda.compile_variant(key, 80)["from_cache"]
 
 
 def test_unknown_arch_and_bad_variant_raise(cache):
   with pytest.raises(RuntimeError, match="sm_30"):
-    cuda.compile_variant(_key(70, 64, "float16", "float16"), "sm_30")
+    cuda.compile_variant(_key(70, 64, "float16", "float16"), 30)
   with pytest.raises(RuntimeError, match="head_dim"):
-    cuda.compile_variant(_key(80, 48, "float16", "float16"), "sm_80")
+    cuda.compile_variant(_key(80, 48, "float16", "float16"), 80)
   with pytest.raises(RuntimeError, match="bfloat16"):
-    cuda.compile_variant(_key(75, 64, "bfloat16", "float16"), "sm_75")
+    cuda.compile_variant(_key(75, 64, "bfloat16", "float16"), 75)
   with pytest.raises(RuntimeError, match="multiple of 64"):
-    cuda.compile_variant(_key(90, 96, "bfloat16", "bfloat16"), "sm_90")
+    cuda.compile_variant(_key(90, 96, "bfloat16", "bfloat16"), 90)
   with pytest.raises(RuntimeError, match="sm_90 .* only"):
-    cuda.compile_variant(_key(90, 64, "bfloat16", "bfloat16"), "sm_100")
+    cuda.compile_variant(_key(90, 64, "bfloat16", "bfloat16"), 100)
   with pytest.raises(RuntimeError, match="decode_rows must be"):
-    cuda.compile_variant(_key(75, 128, "bfloat16", "bfloat16", decode_rows=3), "sm_70")
+    cuda.compile_variant(_key(75, 128, "bfloat16", "bfloat16", decode_rows=3), 70)
   with pytest.raises(RuntimeError, match="sm 75 or 80"):
-    cuda.compile_variant(_key(70, 128, "float16", "float16", decode_rows=4), "sm_70")
+    cuda.compile_variant(_key(70, 128, "float16", "float16", decode_rows=4), 70)
   with pytest.raises(ValueError, match="no kernel variant"):
     _ffi.cuda_variant(_key(80, 48, "float16", "float16"))
 
@@ -124,17 +124,17 @@ def test_decode_kernel_reads_bfloat16_on_every_arch(cache):
   tensor core, so sm_70 and sm_75 read the cache as it is, with no conversion
   pass (the owner plans bfloat16 operands for it on every kernel)."""
   try:
-    _ffi.nvrtc_version_for("sm_70")
+    _ffi.nvrtc_version_for(70)
   except RuntimeError as err:
     pytest.skip(f"no NVRTC here compiles for sm_70 (CUDA 13 dropped it): {err}")
-  for arch in ("sm_70", "sm_75"):
-    r = cuda.compile_variant(_key(75, 128, "bfloat16", "bfloat16", decode_rows=4), arch)
+  for cc in (70, 75):
+    r = cuda.compile_variant(_key(75, 128, "bfloat16", "bfloat16", decode_rows=4), cc)
     assert r["cubin_bytes"] > 0 and precompile.spills(r["log"]) == 0, r["log"]
   config = AttentionConfig(scale=0.1, is_causal=False)
   for implementation in ("cuda_sm70", "cuda_sm75"):
     plan = cuda.plan(implementation, config, (1, 1, 4, 128), (1, 300, 1, 128), jnp.bfloat16)
     assert plan["decode_rows"] == 4 and plan["kernel_sm"] == 75
-    assert plan["operand_dtype"] == cuda.DTYPE_CODES["bfloat16"]
+    assert plan["operand_dtype"] == DTYPE_CODES["bfloat16"]
 
 
 @pytest.mark.parametrize("cc, head_dim, implementation", [
@@ -158,10 +158,10 @@ def test_sm90_variants_are_the_wgmma_kernel(cache):
   assert [k for k in cuda.IMPLEMENTATIONS if cuda.runs_on(k, 90)] == [
       "cuda_sm70", "cuda_sm75", "cuda_sm80", "cuda_sm90"]
   assert not cuda.runs_on("cuda_sm90", 100)
-  assert {v["head_dim"] for v in map(_ffi.cuda_variant, cuda.shipped_variants("sm_90"))
+  assert {v["head_dim"] for v in map(_ffi.cuda_variant, cuda.shipped_variants(90))
           if v["kernel_sm"] == 90 and not v["decode_rows"]} == {64, 128, 192, 256}
-  r = cuda.compile_variant(_key(90, 128, "bfloat16", "bfloat16"), "sm_90")
-  assert r["arch"] == "sm_90a", r["arch"]
+  r = cuda.compile_variant(_key(90, 128, "bfloat16", "bfloat16"), 90)
+  assert r["target"] == "sm_90a", r["target"]
 
 
 def test_precompile_cli(cache, monkeypatch, capsys):

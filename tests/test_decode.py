@@ -246,14 +246,14 @@ def test_decode_never_reads_past_the_lengths():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, arch=900, **features):
+def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, cc=90, **features):
   """The owner's plan (csrc/cuda/variants.h) for a call on the sm80 kernels of
-  an H100 (arch 900, 132 multiprocessors), or of `arch` with as many
-  multiprocessors: no GPU needed."""
+  an H100 (compute capability 90, 132 multiprocessors), or of compute
+  capability `cc` with as many multiprocessors: no GPU needed."""
   plan = cuda.plan("cuda_sm80", AttentionConfig(scale=0.1), (B, T, N, H), (B, S, K, H), dtype,
                    **features)
   return dict(_ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(
-      plan, (B, T, N, H), (B, S, K, H)), arch, 132, blocks_per_sm), decode=plan["decode_rows"])
+      plan, (B, T, N, H), (B, S, K, H)), cc, 132, blocks_per_sm), decode=plan["decode_rows"])
 
 
 def test_decode_kernel_rules():
@@ -270,23 +270,23 @@ def test_decode_kernel_rules():
   # One sequence, 8 heads: 16 blocks each, one wave of 128 on 132
   # multiprocessors; on sm_90, 8 each in clusters of 8.
   for S in (4096, 1 << 18):
-    for arch, per_head, cluster in ((800, 16, 1), (900, 8, 8)):
-      plan = _h100_launch(1, 1, S, 32, 8, 128, blocks_per_sm=1, arch=arch)
+    for cc, per_head, cluster in ((80, 16, 1), (90, 8, 8)):
+      plan = _h100_launch(1, 1, S, 32, 8, 128, blocks_per_sm=1, cc=cc)
       assert plan["units"] == 8 and plan["blocks"] == 8 * per_head
       assert plan["cluster"] == cluster
       # The workspace stays for ragged lengths (the shares then cross heads).
       assert plan["slots"] == 8 * per_head + 8 - 1 and plan["counters"] == 8
       assert plan["workspace_floats"] == plan["slots"] * 4 * (128 + 1)
   # Eight sequences: two blocks per head (in pairs on sm_90).
-  for arch, cluster in ((800, 1), (900, 2)):
-    plan = _h100_launch(8, 1, 1 << 16, 32, 8, 128, blocks_per_sm=1, arch=arch)
+  for cc, cluster in ((80, 1), (90, 2)):
+    plan = _h100_launch(8, 1, 1 << 16, 32, 8, 128, blocks_per_sm=1, cc=cc)
     assert plan["blocks"] == 128 and plan["cluster"] == cluster
   # One head: more blocks than a cluster holds.
   plan = _h100_launch(1, 1, 1 << 16, 8, 1, 128, blocks_per_sm=1)
   assert plan["blocks"] == 128 and plan["cluster"] == 1
   # Few keys: one block per key step.
   short = _h100_launch(1, 1, 300, 8, 8, 128, blocks_per_sm=1)
-  assert short["blocks"] == 8 * -(-300 // short["block_n"])
+  assert short["blocks"] == 8 * -(-300 // short["Bc"])
   # Every head in one step: nothing to split.
   whole = _h100_launch(132, 1, 64, 8, 1, 128, blocks_per_sm=1)
   assert whole["blocks"] == 132 and whole["slots"] == 0 and whole["counters"] == 0
@@ -301,7 +301,7 @@ def test_forward_split_rule():
   split = _h100_launch(1, 40, 65536, 8, 8, 128, blocks_per_sm=2)
   assert split["units"] == 8 and split["parts"] == 33 and split["blocks"] == 8 * 33
   assert split["slots"] == 8 * 33 and split["counters"] == 0
-  assert split["workspace_floats"] == 8 * 33 * split["block_m"] * (128 + 1)
+  assert split["workspace_floats"] == 8 * 33 * split["Br"] * (128 + 1)
   assert _h100_launch(1, 40, 4096, 8, 8, 128, blocks_per_sm=2)["parts"] == 4096 // 256
   assert _h100_launch(1, 40, 10 ** 7, 1, 1, 128, blocks_per_sm=2)["parts"] == 64
   assert _h100_launch(1, 40, 100, 1, 1, 128, blocks_per_sm=2)["parts"] == 1

@@ -39,7 +39,7 @@ def _check_cuda_launch(q_shape, k_shape, dtype, config, hlo, **features):
   assert record["H"] == plan["row_elements"] == q_shape[-1], "rows read in place, not padded"
   assert record["decode_rows"] == plan["decode_rows"]
   launched = cuda.launch(plan, q_shape, k_shape, blocks_per_sm=record["blocks_per_sm"])
-  for fact in ("block_m", "block_n", "threads", "smem_bytes", "units", "blocks", "parts",
+  for fact in ("Br", "Bc", "threads", "smem_bytes", "units", "blocks", "parts",
                "slots", "workspace_floats", "counters", "cluster"):
     assert record[fact] == launched[fact], (fact, record, launched)
   bound = cuda.launch(plan, q_shape, k_shape)

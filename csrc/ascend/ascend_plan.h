@@ -28,7 +28,7 @@ constexpr int64_t kMinTilesPerSplit = 2;
 constexpr int64_t kMostSplits = 16;
 
 // Plans a call of q (B, T, N, H) against k, v (B, S, K, H) in `dtype`
-// (FaAscendDtype). `tile`: the tile to use, or null for fa_ascend_tile's.
+// (kFaF16 or kFaBF16). `tile`: the tile to use, or null for fa_ascend_tile's.
 // Returns "" or why the call cannot run (head dim, heads, a tile past a
 // buffer's capacity).
 inline std::string PlanAscend(int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
@@ -41,29 +41,29 @@ inline std::string PlanAscend(int64_t B, int64_t T, int64_t S, int64_t N, int64_
     return "N=" + std::to_string(N) + " query heads do not group over K=" + std::to_string(K) +
            " key/value heads";
   }
-  if (dtype != kFaAscendF16 && dtype != kFaAscendBF16) return "dtype must be float16 or bfloat16";
+  if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be float16 or bfloat16";
   plan->tile = tile ? *tile : fa_ascend_tile(T, H, dtype);
   const FaAscendTile& t = plan->tile;
   auto fractal = [](int64_t x) { return x > 0 && x % kFaAscendFractal == 0; };
-  if (!fractal(t.br) || !fractal(t.bc) || !fractal(t.hp) || t.hp < H || t.bb < 1 ||
-      t.br % t.bb != 0 || t.dtype != dtype) {
-    return "tile Br=" + std::to_string(t.br) + " Bc=" + std::to_string(t.bc) + " Bb=" +
-           std::to_string(t.bb) + " Hp=" + std::to_string(t.hp) +
+  if (!fractal(t.Br) || !fractal(t.Bc) || !fractal(t.Hp) || t.Hp < H || t.Bb < 1 ||
+      t.Br % t.Bb != 0 || t.dtype != dtype) {
+    return "tile Br=" + std::to_string(t.Br) + " Bc=" + std::to_string(t.Bc) + " Bb=" +
+           std::to_string(t.Bb) + " Hp=" + std::to_string(t.Hp) +
            " is not a 910B Cube tile for H=" + std::to_string(H) +
            " (Br, Bc, Hp multiples of 16, Hp >= H, Bb dividing Br)";
   }
   int64_t used = 0, capacity = 0;
   if (const char* buffer = fa_ascend_overflow(t, &used, &capacity)) {
-    return "tile Br=" + std::to_string(t.br) + " Bc=" + std::to_string(t.bc) + " Bb=" +
-           std::to_string(t.bb) + " Hp=" + std::to_string(t.hp) + " needs " +
+    return "tile Br=" + std::to_string(t.Br) + " Bc=" + std::to_string(t.Bc) + " Bb=" +
+           std::to_string(t.Bb) + " Hp=" + std::to_string(t.Hp) + " needs " +
            std::to_string(used) + " bytes of the 910B's " + buffer + ", which holds " +
            std::to_string(capacity);
   }
   plan->buffers = fa_ascend_buffers(t);
-  plan->Tp = fa_ascend_round_up(T < 1 ? 1 : T, t.br);
-  plan->Sp = fa_ascend_round_up(S < 1 ? 1 : S, t.bc);
+  plan->Tp = fa_ascend_round_up(T < 1 ? 1 : T, t.Br);
+  plan->Sp = fa_ascend_round_up(S < 1 ? 1 : S, t.Bc);
   const int64_t units = fa_ascend_units(t, B, plan->Tp, N, 1);
-  plan->splits = SplitCount(units, plan->Sp / t.bc, plan->cores, kMinTilesPerSplit, kMostSplits);
+  plan->splits = SplitCount(units, plan->Sp / t.Bc, plan->cores, kMinTilesPerSplit, kMostSplits);
   plan->workspace_floats =
       fa_ascend_workspace_floats(t, B, plan->Tp, N, plan->splits, plan->cores);
   return "";

@@ -54,8 +54,8 @@ std::vector<std::string> Options(const KernelVariant& v) {
 
 // Everything a cached module depends on; the file name is its hash and the
 // file repeats it in full, so a hash collision reads as a miss.
-std::string CacheKey(const KernelVariant& v, const std::string& arch, const std::string& nvrtc) {
-  std::string key = "fastattn_jax CUDA kernel\narch=" + arch + "\nnvrtc=" + nvrtc +
+std::string CacheKey(const KernelVariant& v, const std::string& target, const std::string& nvrtc) {
+  std::string key = "fastattn_jax CUDA kernel\narch=" + target + "\nnvrtc=" + nvrtc +
                     "\nsource=" + v.SourceFile() + "\noptions=";
   for (const std::string& o : Options(v)) key += o + " ";
   key += "\nsources=";
@@ -164,29 +164,30 @@ void SetCacheDir(std::string dir) {
   cache_dir = std::move(dir);
 }
 
-bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, CompiledKernel* out,
-                       std::string* error) {
+bool GetCompiledKernel(const KernelVariant& v, int cc, CompiledKernel* out, std::string* error) {
   if (std::string why = v.Check(); !why.empty()) {
     *error = "invalid kernel variant " + v.Describe() + ": " + why;
     return false;
   }
   // wgmma exists only in the arch-specific sm_90a target, whose code runs on
   // compute capability 9.0 alone.
-  if (v.kernel_sm == 90 && !v.decode_rows && gpu_arch != "sm_90") {
-    *error = v.Describe() + " runs on sm_90 (H100, H200) only, not " + gpu_arch;
+  const bool arch_specific = v.kernel_sm == 90 && !v.decode_rows;
+  if (arch_specific && !fa_runs_on(v.kernel_sm, cc)) {
+    *error = v.Describe() + " runs on " + NvrtcTarget(v.kernel_sm) + " (H100, H200) only, not " +
+             NvrtcTarget(cc);
     return false;
   }
-  const std::string arch = v.kernel_sm == 90 && !v.decode_rows ? gpu_arch + "a" : gpu_arch;
-  std::string nvrtc = NvrtcVersionFor(arch, error);
+  const std::string target = NvrtcTarget(cc, arch_specific);
+  std::string nvrtc = NvrtcVersionFor(cc, error);
   if (nvrtc.empty()) return false;
-  const std::string key = CacheKey(v, arch, nvrtc);
+  const std::string key = CacheKey(v, target, nvrtc);
   std::filesystem::path file;
   {
     std::lock_guard<std::mutex> lock(cache_dir_mu);
     if (!cache_dir.empty()) file = std::filesystem::path(cache_dir) / (Hex(Fnv1a(key)) + ".cubin");
   }
   out->nvrtc = nvrtc;
-  out->arch = arch;
+  out->target = target;
   if (!file.empty() && ReadEntry(file, key, out)) {
     out->from_cache = true;
     out->seconds = 0;
@@ -207,8 +208,8 @@ bool GetCompiledKernel(const KernelVariant& v, const std::string& gpu_arch, Comp
   auto start = std::chrono::steady_clock::now();
   CompileResult r;
   {
-    SlowCompileNotice notice(v.Describe() + " for " + arch + " with NVRTC " + nvrtc);
-    r = NvrtcCompile(arch, *source, v.SourceFile(), headers, Options(v));
+    SlowCompileNotice notice(v.Describe() + " for " + target + " with NVRTC " + nvrtc);
+    r = NvrtcCompile(cc, arch_specific, *source, v.SourceFile(), headers, Options(v));
   }
   if (!r.ok) {
     *error = r.log;
@@ -245,12 +246,11 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     d.cuDeviceGetAttribute(&minor, kAttrComputeCapabilityMinor, dev);
     d.cuDeviceGetAttribute(&smem_optin, kAttrMaxSharedMemoryPerBlockOptin, dev);
     d.cuDeviceGetAttribute(&kernel->multiprocessors, kAttrMultiprocessorCount, dev);
-    kernel->arch = major * 100 + minor * 10;
-    kernel->tile = v.Tile(kernel->arch);
-    const std::string arch = "sm_" + std::to_string(major * 10 + minor);
+    kernel->cc = major * 10 + minor;
+    kernel->tile = v.Tile(kernel->cc);
     CompiledKernel compiled;
     std::string e;
-    if (!GetCompiledKernel(v, arch, &compiled, &e)) return e;
+    if (!GetCompiledKernel(v, kernel->cc, &compiled, &e)) return e;
     CUmodule module;
     if (auto rc = d.cuModuleLoadData(&module, compiled.cubin.data())) {
       return DriverError(d, rc, "cuModuleLoadData");
@@ -290,7 +290,7 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
     }
     if (kernel->tile.smem_bytes > smem_optin) {
       return v.Describe() + " needs " + std::to_string(kernel->tile.smem_bytes) +
-             " bytes of shared memory per block; " + arch + " allows " +
+             " bytes of shared memory per block; " + NvrtcTarget(kernel->cc) + " allows " +
              std::to_string(smem_optin);
     }
     // Needed above 48 KB of static plus dynamic shared memory (the decode
@@ -309,7 +309,9 @@ const LoadedKernel* GetLoadedKernel(const Driver& d, CUcontext context,
             kernel->tile.smem_bytes)) {
       return DriverError(d, rc, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     }
-    if (kernel->blocks_per_sm < 1) return v.Describe() + " cannot run a block on " + arch;
+    if (kernel->blocks_per_sm < 1) {
+      return v.Describe() + " cannot run a block on " + NvrtcTarget(kernel->cc);
+    }
     return "";
   }();
   CUcontext popped;

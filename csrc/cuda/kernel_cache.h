@@ -1,5 +1,5 @@
 // Finding or building the CUDA attention kernels: a variant
-// (csrc/cuda/variants.h) is compiled by NVRTC for the exact GPU arch, kept in
+// (csrc/cuda/variants.h) is compiled by NVRTC for the exact GPU, kept in
 // an on-disk cache shared by processes, and loaded once per CUDA context.
 #pragma once
 
@@ -16,7 +16,7 @@ namespace fastattn::cuda {
 void SetCacheDir(std::string dir);
 
 struct CompiledKernel {
-  std::string arch;     // the NVRTC target it was compiled for ("sm_90a")
+  std::string target;   // the NVRTC target it was compiled for ("sm_90a": NvrtcTarget)
   std::string cubin;
   std::string log;      // NVRTC / ptxas log of the build that made it
   std::string nvrtc;    // NVRTC version that built it
@@ -24,10 +24,11 @@ struct CompiledKernel {
   double seconds = 0;   // compile time (0 when read from the cache)
 };
 
-// Reads `variant` for `arch` ("sm_90") from the disk cache or compiles and
-// stores it. Needs no GPU. Returns false with *error on failure.
-bool GetCompiledKernel(const KernelVariant& variant, const std::string& arch,
-                       CompiledKernel* out, std::string* error);
+// Reads `variant` for a GPU of compute capability `cc` (10 * major + minor:
+// 90) from the disk cache or compiles and stores it. Needs no GPU. Returns
+// false with *error on failure.
+bool GetCompiledKernel(const KernelVariant& variant, int cc, CompiledKernel* out,
+                       std::string* error);
 
 // A kernel loaded into a CUDA context, with what its launches need.
 struct LoadedKernel {
@@ -35,8 +36,8 @@ struct LoadedKernel {
   CUfunction merge = nullptr;     // the forward kernels' split-KV merge, fa_merge
   CUfunction dq = nullptr;        // backward variants: fa_backward_dq
   KernelVariant variant;
-  int arch = 0;             // of the device: 900 for compute capability 9.0
-  FaTile tile{};            // variant.Tile(arch): Br, Bc, threads, shared memory
+  int cc = 0;               // of the device: 90 for compute capability 9.0
+  FaTile tile{};            // variant.Tile(cc): Br, Bc, threads, shared memory
   int blocks_per_sm = 0;    // resident blocks per multiprocessor (occupancy)
   int multiprocessors = 0;  // of the device
   CUcontext context = nullptr;  // the one it is loaded in

@@ -15,7 +15,7 @@ using nvrtcProgram = struct _nvrtcProgram*;
 struct Nvrtc {
   std::string path;
   std::string version;
-  std::vector<int> archs;  // nvrtcGetSupportedArchs: 70, 75, ...
+  std::vector<int> archs;  // nvrtcGetSupportedArchs: 70, 75, ... (compute capabilities)
   int (*Version)(int*, int*);
   int (*GetNumSupportedArchs)(int*);
   int (*GetSupportedArchs)(int*);
@@ -71,20 +71,19 @@ const Nvrtc* Open(const std::string& candidate, std::string* why) {
   return it->second.get();
 }
 
-// The first candidate NVRTC that supports `arch` ("sm_90").
-const Nvrtc* ForArch(const std::string& arch, std::string* error) {
-  int wanted = std::atoi(arch.c_str() + 3);
+// The first candidate NVRTC that supports compute capability `cc`.
+const Nvrtc* ForCc(int cc, std::string* error) {
   std::string why;
   for (const std::string& c : candidates) {
     const Nvrtc* n = Open(c, &why);
     if (!n) continue;
     for (int a : n->archs) {
-      if (a == wanted) return n;
+      if (a == cc) return n;
     }
-    why += "\n  " + c + " (NVRTC " + n->version + ") cannot target " + arch;
+    why += "\n  " + c + " (NVRTC " + n->version + ") cannot target " + NvrtcTarget(cc);
   }
   *error = "fastattn_jax compiles its CUDA kernels at run time with NVRTC, and no NVRTC "
-           "that targets " + arch + " was found:" + why +
+           "that targets " + NvrtcTarget(cc) + " was found:" + why +
            "\nInstall the NVRTC matching your JAX CUDA plugin (jax[cuda12] installs "
            "nvidia-cuda-nvrtc-cu12, which targets sm_70..sm_90; the CUDA 13 plugin "
            "installs nvidia-cuda-nvrtc, which starts at sm_75), or set FASTATTN_NVRTC to "
@@ -99,13 +98,17 @@ void SetNvrtcCandidates(std::vector<std::string> list) {
   candidates = std::move(list);
 }
 
-std::string NvrtcVersionFor(const std::string& arch, std::string* error) {
+std::string NvrtcTarget(int cc, bool arch_specific) {
+  return "sm_" + std::to_string(cc) + (arch_specific ? "a" : "");
+}
+
+std::string NvrtcVersionFor(int cc, std::string* error) {
   std::lock_guard<std::mutex> lock(mu);
-  const Nvrtc* n = ForArch(arch, error);
+  const Nvrtc* n = ForCc(cc, error);
   return n ? n->version : "";
 }
 
-CompileResult NvrtcCompile(const std::string& arch, const std::string& source,
+CompileResult NvrtcCompile(int cc, bool arch_specific, const std::string& source,
                            const std::string& name,
                            const std::vector<std::pair<std::string, std::string>>& headers,
                            const std::vector<std::string>& options) {
@@ -113,7 +116,7 @@ CompileResult NvrtcCompile(const std::string& arch, const std::string& source,
   const Nvrtc* n;
   {
     std::lock_guard<std::mutex> lock(mu);
-    n = ForArch(arch, &result.log);
+    n = ForCc(cc, &result.log);
   }
   if (!n) return result;
   result.nvrtc = n->version + " (" + n->path + ")";
@@ -122,7 +125,8 @@ CompileResult NvrtcCompile(const std::string& arch, const std::string& source,
     header_names.push_back(hname.c_str());
     header_src.push_back(text.c_str());
   }
-  std::string arch_opt = "--gpu-architecture=" + arch;
+  const std::string target = NvrtcTarget(cc, arch_specific);
+  const std::string arch_opt = "--gpu-architecture=" + target;
   opts.push_back(arch_opt.c_str());
   for (const std::string& o : options) opts.push_back(o.c_str());
 
@@ -144,7 +148,7 @@ CompileResult NvrtcCompile(const std::string& arch, const std::string& source,
     result.cubin.resize(size);
     result.ok = n->GetCUBIN(prog, result.cubin.data()) == 0;
   } else if (rc != 0) {
-    result.log = "NVRTC " + n->version + " failed to compile " + name + " for " + arch +
+    result.log = "NVRTC " + n->version + " failed to compile " + name + " for " + target +
                  " (code " + std::to_string(rc) + "):\n" + result.log;
   }
   n->DestroyProgram(&prog);

@@ -50,8 +50,8 @@ std::string KernelVariant::Check() const {
            std::to_string(kernel_sm == 90 && !decode_rows ? 64 : 32) + " in [32, " +
            std::to_string(kFaMaxHeadDim) + "]";
   }
-  if (dtype != kF16 && dtype != kBF16) return "dtype must be f16 or bf16";
-  if (out_dtype < kF16 || out_dtype > kF32) return "out_dtype must be f16, bf16 or f32";
+  if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be f16 or bf16";
+  if (out_dtype < kFaF16 || out_dtype > kFaF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (backward) {
     if (backward < 1 || backward > BackwardBuilds(kernel_sm) ||
@@ -61,7 +61,7 @@ std::string KernelVariant::Check() const {
              "H=" + std::to_string(fa_backward_max_head_dim(70)) + " (kernel 80: " +
              std::to_string(fa_backward_max_head_dim(80)) + ")";
     }
-    if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
+    if (dtype == kFaBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80";
     return "";
   }
   if (decode_rows) {
@@ -74,7 +74,7 @@ std::string KernelVariant::Check() const {
   if (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) {
     return "kernel_sm must be 70, 75, 80 or 90";
   }
-  if (dtype == kBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80 or 90";
+  if (dtype == kFaBF16 && kernel_sm < 80) return "bfloat16 operands need kernel 80 or 90";
   return "";
 }
 
@@ -99,10 +99,10 @@ std::vector<std::string> KernelVariant::Defines() const {
   return d;
 }
 
-FaTile KernelVariant::Tile(int arch) const {
+FaTile KernelVariant::Tile(int cc) const {
   return backward      ? fa_backward_tile(kernel_sm, head_dim, backward == 2)
-       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, arch)
-                     : fa_forward_tile(kernel_sm, head_dim, extras != 0, arch);
+       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, cc)
+                     : fa_forward_tile(kernel_sm, head_dim, extras != 0, cc);
 }
 
 int64_t KernelVariant::Key() const {
@@ -166,10 +166,10 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const bool operands = c.bias || c.mask || c.q_lens;
   const int rows = fa_decode_rows(c.T * G);
   if (!operands && c.S > 0 && rows > 0) {
-    // The decode kernel reads bfloat16 on every arch (its sm75 build on CUDA cores).
+    // The decode kernel reads bfloat16 on every GPU (its sm75 build on CUDA cores).
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;
-    v.dtype = plan->operand_dtype = c.dtype == kBF16 ? kBF16 : kF16;
+    v.dtype = plan->operand_dtype = c.dtype == kFaBF16 ? kFaBF16 : kFaF16;
     v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
     return "";
   }
@@ -181,7 +181,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
 }
 
 std::vector<std::pair<std::string, int64_t>> LaunchPlan::Facts() const {
-  return {{"block_m", tile.block_m},     {"block_n", tile.block_n},
+  return {{"Br", tile.Br},               {"Bc", tile.Bc},
           {"threads", tile.threads},     {"smem_bytes", tile.smem_bytes},
           {"units", units},              {"blocks", blocks},
           {"parts", parts},              {"slots", slots},
@@ -189,34 +189,34 @@ std::vector<std::pair<std::string, int64_t>> LaunchPlan::Facts() const {
           {"cluster", cluster}};
 }
 
-int MaxBlocksPerSm(const FaTile& tile, int arch) {
+int MaxBlocksPerSm(const FaTile& tile, int cc) {
   // Threads, shared memory (bytes) and blocks a multiprocessor holds.
-  const int threads = arch == 750 ? 1024 : arch == 860 || arch == 870 || arch == 890 ? 1536 : 2048;
-  const int smem = arch == 700 ? 96 * 1024
-                 : arch == 750 ? 64 * 1024
-                 : arch == 800 || arch == 870 ? 164 * 1024
-                 : arch == 860 || arch == 890 ? 100 * 1024
-                                              : 228 * 1024;
-  const int most = arch == 750 || arch == 860 || arch == 870 ? 16 : arch == 890 ? 24 : 32;
+  const int threads = cc == 75 ? 1024 : cc == 86 || cc == 87 || cc == 89 ? 1536 : 2048;
+  const int smem = cc == 70 ? 96 * 1024
+                 : cc == 75 ? 64 * 1024
+                 : cc == 80 || cc == 87 ? 164 * 1024
+                 : cc == 86 || cc == 89 ? 100 * 1024
+                                        : 228 * 1024;
+  const int most = cc == 75 || cc == 86 || cc == 87 ? 16 : cc == 89 ? 24 : 32;
   int blocks = std::min(most, threads / std::max(tile.threads, 1));
   if (tile.smem_bytes > 0) blocks = std::min(blocks, smem / tile.smem_bytes);
   return std::max(blocks, 1);
 }
 
 LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, int64_t N,
-                      int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm) {
+                      int64_t K, int64_t H, int cc, int multiprocessors, int blocks_per_sm) {
   LaunchPlan l;
-  l.tile = v.Tile(arch);
+  l.tile = v.Tile(cc);
   const int64_t wave = int64_t{multiprocessors} * blocks_per_sm;
-  const int64_t rows = l.tile.block_m;
+  const int64_t rows = l.tile.Br;
   if (v.backward) {
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
-    l.units = v.backward == 2 ? 0 : fa_forward_units(dims, l.tile.block_m);
-    l.blocks = CeilDiv(S, l.tile.block_n) * K * B * fa_backward_parts(v.kernel_sm, v.head_dim);
+    l.units = v.backward == 2 ? 0 : fa_forward_units(dims, l.tile.Br);
+    l.blocks = CeilDiv(S, l.tile.Bc) * K * B * fa_backward_parts(v.kernel_sm, v.head_dim);
   } else if (v.decode_rows) {
     // The lean partition of the B * K heads' key steps (at most ceil(S /
-    // block_n) each, at least one), over `blocks` blocks: the count with the
+    // Bc) each, at least one), over `blocks` blocks: the count with the
     // shortest modeled time, blocks running in ceil(blocks / wave) waves of
     // a share's keys plus a fixed cost (launch, first loads, the merge: about
     // kDecodeSplitCostKeys keys' worth, fitted on the H100). A whole number of
@@ -238,12 +238,12 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // shares stay equal in keys, so long sequences get more blocks than
     // short ones.
     l.units = B * K;
-    const int64_t unit_steps = std::max<int64_t>(1, CeilDiv(S, l.tile.block_n));
+    const int64_t unit_steps = std::max<int64_t>(1, CeilDiv(S, l.tile.Bc));
     const int64_t steps = l.units * unit_steps;
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t s = 1; s <= std::min(unit_steps, kMaxDecodeSplits); ++s) {
       const int64_t cost = CeilDiv(l.units * s, wave) *
-                           (CeilDiv(unit_steps, s) * l.tile.block_n + kDecodeSplitCostKeys);
+                           (CeilDiv(unit_steps, s) * l.tile.Bc + kDecodeSplitCostKeys);
       if (cost < best_cost) best = s, best_cost = cost;
     }
     // Where a unit's segments can run as one cluster and merge in its shared
@@ -257,7 +257,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // head, S = 4K / 64K: 54.8 / 703.2, in clusters 52.8 / 698.4. (With
     // ragged lengths the kernel finds the shares off the clusters' bounds
     // and merges through the workspace.)
-    const int64_t most = fa_decode_cluster_max(v.kernel_sm, arch);
+    const int64_t most = fa_decode_cluster_max(v.kernel_sm, cc);
     if (most > 1 && best <= 2 * most) {
       best = std::min(best, most);
       l.cluster = static_cast<int>(best);
@@ -275,7 +275,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
   } else {
     FaOperands dims{};
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
-    l.units = fa_forward_units(dims, l.tile.block_m);
+    l.units = fa_forward_units(dims, l.tile.Br);
     l.parts = static_cast<int>(SplitCount(l.units, S, wave, kMinSplitKeys, kMaxSplits));
     l.blocks = l.units * l.parts;
     if (l.parts > 1) l.slots = l.blocks;
@@ -285,7 +285,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
 }
 
 int OperandDtype(int kernel_sm, int dtype) {
-  return kernel_sm >= 80 && dtype == kBF16 ? kBF16 : kF16;
+  return kernel_sm >= 80 && dtype == kFaBF16 ? kFaBF16 : kFaF16;
 }
 
 int BackwardBuilds(int kernel_sm) { return kernel_sm == 90 ? 2 : 1; }
@@ -340,7 +340,7 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
           KernelVariant v;
           v.kernel_sm = fa_decode_build(kernel_sm);
           v.head_dim = fa_kernel_head_dim(v.kernel_sm, h);
-          v.dtype = dtype == kBF16 ? kBF16 : kF16;
+          v.dtype = dtype == kFaBF16 ? kFaBF16 : kFaF16;
           v.out_dtype = dtype;
           v.decode_rows = rows;
           add(v);

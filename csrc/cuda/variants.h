@@ -3,7 +3,7 @@
 // (grid, split-KV, workspace) and how it is compiled. The FFI handlers and,
 // through the extension module, Python (fastattn_jax/cuda.py) ask here;
 // nothing else derives these facts. The shape facts underneath (head-dim
-// rounding, tiles per arch) are in csrc/kernels/cuda/attention_tiles.cuh,
+// rounding, tiles per GPU) are in csrc/kernels/cuda/attention_tiles.cuh,
 // which the kernels are compiled from too.
 #pragma once
 
@@ -12,21 +12,19 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/attention_dtypes.h"
 #include "kernels/attention_rules.h"
 #include "kernels/cuda/attention_tiles.cuh"
 
 namespace fastattn::cuda {
-
-// Element types as the kernels number them (FA_DTYPE, FA_OUT_DTYPE).
-enum Dtype : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
 
 // One compiled specialization of a kernel (attention_common.cuh lists what
 // each field turns into).
 struct KernelVariant {
   int kernel_sm = 80;   // 70, 75, 80, 90; the decode kernel: its build, 75 or 80
   int head_dim = 128;   // the kernel head dim (fa_kernel_head_dim)
-  int dtype = kF16;     // q, k, v: kF16 or kBF16
-  int out_dtype = kF16;
+  int dtype = kFaF16;   // q, k, v: kFaF16 or kFaBF16 (kernels/attention_dtypes.h)
+  int out_dtype = kFaF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
   int backward = 0;     // the backward kernels (kernel_sm 70, 75, 80 or 90): 1 dQ
@@ -40,18 +38,18 @@ struct KernelVariant {
   // The kernel source and its NVRTC -D options.
   std::string SourceFile() const;
   std::vector<std::string> Defines() const;
-  // The tile on a GPU of `arch` (__CUDA_ARCH__ spelling: 900).
-  FaTile Tile(int arch) const;
+  // The tile on a GPU of compute capability `cc` (10 * major + minor: 90).
+  FaTile Tile(int cc) const;
   // The variant as one integer, the FFI attribute that names it to a handler.
   int64_t Key() const;
   static KernelVariant FromKey(int64_t key);
 };
 
-// A call as the lowering sees it. dtype: kF16, kBF16 or kF32 (float32
+// A call as the lowering sees it. dtype: kFaF16, kFaBF16 or kFaF32 (float32
 // inputs are rounded to float16 for the products).
 struct CallShape {
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
-  int dtype = kF16;
+  int dtype = kFaF16;
   bool bias = false, mask = false, q_lens = false;
   FaRules rules{};
   bool backward = false;  // the gradients' kernels (attention_backward.cu)
@@ -61,7 +59,7 @@ struct CallShape {
 // How a kernel serves a call.
 struct CallPlan {
   KernelVariant variant;
-  int operand_dtype = kF16;  // q, k, v are converted to this (when they are not)
+  int operand_dtype = kFaF16;  // q, k, v are converted to this (when they are not)
   int64_t row_elements = 0;  // H rounded up to kFaRowAlign: the operands' rows
                              // (H itself unless it is not a multiple of 8)
   // T = 1 with more than kFaMaxDecodeRows query heads per key/value head, and
@@ -74,9 +72,9 @@ struct CallPlan {
 // kernels cannot serve it).
 std::string PlanCall(int kernel_sm, const CallShape& shape, CallPlan* plan);
 
-// The launch of a planned call on a GPU of `arch` whose `multiprocessors`
-// each hold `blocks_per_sm` blocks of the kernel (the loaded kernel's
-// occupancy; MaxBlocksPerSm bounds it before loading).
+// The launch of a planned call on a GPU of compute capability `cc` whose
+// `multiprocessors` each hold `blocks_per_sm` blocks of the kernel (the
+// loaded kernel's occupancy; MaxBlocksPerSm bounds it before loading).
 struct LaunchPlan {
   FaTile tile{};
   int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads;
@@ -97,18 +95,18 @@ struct LaunchPlan {
   std::vector<std::pair<std::string, int64_t>> Facts() const;
 };
 LaunchPlan PlanLaunch(const KernelVariant& variant, int64_t B, int64_t T, int64_t S, int64_t N,
-                      int64_t K, int64_t H, int arch, int multiprocessors, int blocks_per_sm);
+                      int64_t K, int64_t H, int cc, int multiprocessors, int blocks_per_sm);
 
 // An upper bound of the resident blocks per multiprocessor of `tile` on
-// `arch`, from the multiprocessor's thread and shared-memory limits (the
+// `cc`, from the multiprocessor's thread and shared-memory limits (the
 // registers, known once compiled, can only lower it).
-int MaxBlocksPerSm(const FaTile& tile, int arch);
+int MaxBlocksPerSm(const FaTile& tile, int cc);
 
-// The dtype the forward kernels multiply `dtype` inputs in (kF16, kBF16 or
-// kF32) on kernel `kernel_sm`: bfloat16 where the tensor cores have it
+// The dtype the forward kernels multiply `dtype` inputs in (kFaF16, kFaBF16 or
+// kFaF32) on kernel `kernel_sm`: bfloat16 where the tensor cores have it
 // (kernels 80 and 90), else float16; float32 is rounded to float16 (the
 // 10-bit significand of the TF32 that XLA's float32 products use). The
-// decode kernel reads bfloat16 on every arch (CallPlan says which applies).
+// decode kernel reads bfloat16 on every GPU (CallPlan says which applies).
 int OperandDtype(int kernel_sm, int dtype);
 
 // The backward kernel of the path of forward kernel `kernel_sm` at head dim
@@ -129,7 +127,7 @@ int DefaultKernel(int cc, int64_t head_dim);
 
 // The variants `python -m fastattn_jax.precompile` builds for compute
 // capability `cc`: every kernel the GPU runs, at each head dim (rounded as
-// the kernel rounds it) and input dtype (kF16, kBF16; output alike), with
+// the kernel rounds it) and input dtype (kFaF16, kFaBF16; output alike), with
 // and without extras, the decode kernel at each rows per block, and the
 // backward kernels (BackwardKernel, up to each one's fa_backward_max_head_dim).
 std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_dims,

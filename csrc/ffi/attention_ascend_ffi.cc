@@ -69,17 +69,17 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
     return err;
   }
   const ffi::DataType type = q.element_type();
+  const int dtype = DtypeCode(type);
   if (k.element_type() != type || v.element_type() != type || out.element_type() != type ||
-      (type != ffi::DataType::F16 && type != ffi::DataType::BF16)) {
+      (dtype != kFaF16 && dtype != kFaBF16)) {
     return ffi::Error::InvalidArgument(
         "query, key, value and out must share one of F16, BF16");
   }
-  const int64_t dtype = type == ffi::DataType::BF16 ? kFaAscendBF16 : kFaAscendF16;
   if (std::string why = PlanAscend(d.B, d.T, d.S, d.N, d.K, d.H, dtype, nullptr, &c->plan);
       !why.empty()) {
     return ffi::Error::InvalidArgument(why);
   }
-  if (c->plan.Tp != d.T || c->plan.Sp != d.S || c->plan.tile.hp != d.H) {
+  if (c->plan.Tp != d.T || c->plan.Sp != d.S || c->plan.tile.Hp != d.H) {
     return ffi::Error::InvalidArgument(
         "query " + DimsString(q.dimensions()) + " and key " + DimsString(k.dimensions()) +
         " are not padded to whole tiles (fastattn_jax.ascend pads them)");
@@ -130,7 +130,7 @@ void Record(const char* name, const Call& c) {
   const FaAscendParams& p = c.params;
   const FaAscendTile& t = c.plan.tile;
   RecordPlan(name, {{"B", p.B}, {"Tp", p.Tp}, {"Sp", p.Sp}, {"N", p.N}, {"K", p.K},
-                    {"Br", t.br}, {"Bc", t.bc}, {"Bb", t.bb}, {"Hp", t.hp},
+                    {"Br", t.Br}, {"Bc", t.Bc}, {"Bb", t.Bb}, {"Hp", t.Hp},
                     {"splits", p.splits}, {"cores", p.cores},
                     {"ub_bytes", c.plan.buffers.ub}, {"l1_bytes", c.plan.buffers.l1},
                     {"l0c_bytes", c.plan.buffers.l0c},
@@ -171,7 +171,7 @@ ffi::Error LoadSim(std::string_view path, const SimLibrary** out) {
 }
 
 bool SameTile(const FaAscendTile& a, const FaAscendTile& b) {
-  return a.br == b.br && a.bc == b.bc && a.bb == b.bb && a.hp == b.hp && a.dtype == b.dtype;
+  return a.Br == b.Br && a.Bc == b.Bc && a.Bb == b.Bb && a.Hp == b.Hp && a.dtype == b.dtype;
 }
 
 // Runs a prepared call on PTO-ISA's simulator: the library's cores one after

@@ -1,7 +1,8 @@
-// What the CPU and CUDA FFI handlers share: the attributes of one call
+// What the FFI handlers share: the attributes of one call
 // (fastattn_jax/backends.py and cuda.py build them), decoded into the index
-// rules once, the checks of the operands' shapes, and the record of the plan
-// each target ran its latest call with.
+// rules once, the kernels' codes of XLA's element types, the checks of the
+// operands' shapes, and the record of the plan each target ran its latest
+// call with.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/attention_dtypes.h"
 #include "kernels/attention_rules.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,6 +39,17 @@ template <class Attrs>
 FaRules RulesOf(const Attrs& a) {
   return fa_make_rules(a.scale, a.softcap, a.is_causal, a.end_aligned, a.window_left,
                        a.window_right);
+}
+
+// The kernels' code of an XLA element type (FaDtype), or -1 for a type no
+// kernel takes.
+inline int DtypeCode(xla::ffi::DataType type) {
+  switch (type) {
+    case xla::ffi::DataType::F16: return kFaF16;
+    case xla::ffi::DataType::BF16: return kFaBF16;
+    case xla::ffi::DataType::F32: return kFaF32;
+    default: return -1;
+  }
 }
 
 inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {

@@ -16,17 +16,9 @@
 namespace ffi = xla::ffi;
 using fastattn::CallAttrs;
 using fastattn::BroadcastStrides;
+using fastattn::DtypeCode;
 
 namespace {
-
-bool ToElementType(ffi::DataType dtype, fastattn::ElementType* out) {
-  switch (dtype) {
-    case ffi::DataType::F32: *out = fastattn::ElementType::kF32; return true;
-    case ffi::DataType::F16: *out = fastattn::ElementType::kF16; return true;
-    case ffi::DataType::BF16: *out = fastattn::ElementType::kBF16; return true;
-    default: return false;
-  }
-}
 
 // Fills the forward's operands of `p` (out and lse excepted) from the buffers and attributes.
 ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
@@ -39,17 +31,18 @@ ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
     return err;
   }
   p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
-      !ToElementType(q.element_type(), &p->dtype)) {
+  const int dtype = DtypeCode(q.element_type());
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() || dtype < 0) {
     return ffi::Error::InvalidArgument("query, key and value must share one of F32, F16, BF16");
   }
+  p->dtype = static_cast<FaDtype>(dtype);
   p->q = q.untyped_data(), p->k = k.untyped_data(), p->v = v.untyped_data();
 
   const int64_t full[4] = {p->B, p->N, p->T, p->S};
   if (bias.element_count() > 0) {
-    if (!ToElementType(bias.element_type(), &p->bias_dtype)) {
-      return ffi::Error::InvalidArgument("bias must be F32, F16 or BF16");
-    }
+    const int bias_dtype = DtypeCode(bias.element_type());
+    if (bias_dtype < 0) return ffi::Error::InvalidArgument("bias must be F32, F16 or BF16");
+    p->bias_dtype = static_cast<FaDtype>(bias_dtype);
     if (auto err = BroadcastStrides("bias", bias.dimensions(), full, p->bias_strides);
         err.failure()) {
       return err;

@@ -33,6 +33,7 @@
 namespace ffi = xla::ffi;
 namespace cu = fastattn::cuda;
 using fastattn::CallAttrs;
+using fastattn::DtypeCode;
 
 namespace {
 
@@ -107,15 +108,6 @@ const XLA_FFI_TypeInfo* CudaSiteStateTypeInfo() {
 
 namespace {
 
-int DtypeCode(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F16: return cu::kF16;
-    case ffi::DataType::BF16: return cu::kBF16;
-    case ffi::DataType::F32: return cu::kF32;
-    default: return -1;
-  }
-}
-
 // Checks the buffers against the site's variant; *d gets the call's shapes.
 ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer out, fastattn::QkvDims* d,
@@ -162,7 +154,7 @@ void RecordLaunch(const cu::KernelVariant& v, const fastattn::QkvDims& d,
                                {"decode_rows", v.decode_rows},
                                {"B", d.B}, {"T", d.T}, {"S", d.S},
                                {"N", d.N}, {"K", d.K}, {"H", d.H},
-                               {"arch", kernel.arch},
+                               {"cc", kernel.cc},
                                {"multiprocessors", kernel.multiprocessors},
                                {"blocks_per_sm", kernel.blocks_per_sm}};
   for (auto& fact : plan.Facts()) facts.push_back(std::move(fact));
@@ -202,7 +194,7 @@ ffi::Error InitializeContext(cu::CUstream stream, SiteState* site, const fastatt
   c.kernel = cu::GetLoadedKernel(*driver, context, site->variant, &error);
   if (!c.kernel) return ffi::Error::Internal(error);
   const fastattn::QkvDims kd = KernelDims(d, site->fold_heads);
-  c.plan = cu::PlanLaunch(site->variant, kd.B, kd.T, kd.S, kd.N, kd.K, kd.H, c.kernel->arch,
+  c.plan = cu::PlanLaunch(site->variant, kd.B, kd.T, kd.S, kd.N, kd.K, kd.H, c.kernel->cc,
                           c.kernel->multiprocessors, c.kernel->blocks_per_sm);
   if (c.plan.blocks > INT32_MAX) {
     return ffi::Error::InvalidArgument("CUDA attention: " + std::to_string(c.plan.blocks) +
@@ -337,7 +329,7 @@ ffi::Error FillSplit(const ContextState& c, ffi::Buffer<ffi::F32> workspace, int
         " floats, the launch needs " + std::to_string(c.plan.workspace_floats));
   }
   s->partial_out = workspace.typed_data();
-  s->partial_lse = s->partial_out + c.plan.slots * c.plan.tile.block_m * H;
+  s->partial_lse = s->partial_out + c.plan.slots * c.plan.tile.Br * H;
   s->counters = reinterpret_cast<unsigned*>(c.counters);
   return ffi::Error::Success();
 }
@@ -365,13 +357,13 @@ ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const FaTile& t
         cu::kTensorMapL2Promotion256B, cu::kTensorMapOobFillZeros);
     return cu::DriverError(d, rc, name);
   };
-  std::string error = encode(&maps->q, p.q, p.q_stride, p.N, p.T, tile.block_m,
+  std::string error = encode(&maps->q, p.q, p.q_stride, p.N, p.T, tile.Br,
                              "cuTensorMapEncodeTiled(query)");
   if (error.empty() && p.S > 0) {
-    error = encode(&maps->k, p.k, p.kv_stride, p.K, p.S, tile.block_n,
+    error = encode(&maps->k, p.k, p.kv_stride, p.K, p.S, tile.Bc,
                    "cuTensorMapEncodeTiled(key)");
     if (error.empty()) {
-      error = encode(&maps->v, p.v, p.kv_stride, p.K, p.S, tile.block_n,
+      error = encode(&maps->v, p.v, p.kv_stride, p.K, p.S, tile.Bc,
                      "cuTensorMapEncodeTiled(value)");
     }
   }

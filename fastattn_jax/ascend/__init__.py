@@ -46,11 +46,10 @@ import zipfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fastattn_jax import _ffi, _util, cuda
 from fastattn_jax.custom_calls import kernel_call
-from fastattn_jax.shapes import AttentionConfig
+from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
 
@@ -63,7 +62,6 @@ _LIMITS = _ffi.ascend_limits()
 MAX_HEAD_DIM = _LIMITS["max_head_dim"]
 #: The 910B's buffer capacities in bytes, by buffer.
 CAPACITIES = {name: _LIMITS[f"{name.lower()}_bytes"] for name in ("UB", "L1", "L0A", "L0B", "L0C")}
-_DTYPE_CODES = {"float16": _LIMITS["float16"], "bfloat16": _LIMITS["bfloat16"]}
 
 #: The registry package that ships the PTO-ISA headers, and their folder in it.
 PTO_WHEEL = "tilelang-ascend==0.1.4"
@@ -97,7 +95,7 @@ def plan(q_shape, k_shape, dtype, tile: tuple[int, int, int, int] | None = None)
   """
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
-  code = _DTYPE_CODES[operand_dtype(dtype).name]
+  code = DTYPE_CODES[operand_dtype(dtype).name]
   return _ffi.ascend_plan(B, T, S, N, K, H, code, None if tile is None else list(tile))
 
 

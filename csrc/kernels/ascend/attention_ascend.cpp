@@ -43,7 +43,7 @@ static_assert(kBuf.l1 <= kFaAscendL1Bytes && kBuf.l0a <= kFaAscendL0aBytes &&
               kBuf.l0b <= kFaAscendL0bBytes && kBuf.l0c <= kFaAscendL0cBytes &&
               kBuf.ub <= kFaAscendUbBytes, "tile past the 910B buffers (fa_ascend_overflow)");
 
-using E = std::conditional_t<FA_DTYPE == kFaAscendBF16, bfloat16_t, half>;
+using E = std::conditional_t<FA_DTYPE == kFaBF16, bfloat16_t, half>;
 
 // GM views: rows x cols with a run-time row stride (in elements).
 template <typename T, int R, int C>

@@ -4,7 +4,8 @@
 // (attention_ascend.cpp, built by clang for PTO's CPU simulator or by CANN's
 // bisheng for the NPU), by its FFI handler and by the extension's plan
 // functions that Python asks (fastattn_jax.ascend.plan). No includes beyond
-// the shared index rules: every compiler that builds the kernel builds this.
+// the shared index rules and dtype codes: every compiler that builds the
+// kernel builds this.
 //
 // The algorithm is FastAttention's NPU forward (Lin et al. 2024, section 4.1,
 // appendix B): the Cube unit multiplies large Br x Bc tiles (S = Q K^T, then
@@ -16,6 +17,7 @@
 
 #include <stdint.h>
 
+#include "attention_dtypes.h"
 #include "attention_rules.h"
 
 // Buffer capacities of one 910B AI core, in bytes (PTO-ISA's memory model of
@@ -42,15 +44,13 @@ constexpr int64_t kFaAscendMaxHeadDim = 256;
 constexpr float kFaAscendMasked = -1e30f;
 constexpr float kFaAscendDeadMax = -1e29f;
 
-enum FaAscendDtype : int64_t { kFaAscendF16 = 0, kFaAscendBF16 = 1 };
-
 // One compiled kernel: tile sizes and element type (compile-time in PTO).
 struct FaAscendTile {
-  int64_t br;     // query rows per Cube tile
-  int64_t bc;     // keys per Cube tile
-  int64_t bb;     // rows per Vector slice
-  int64_t hp;     // head dim padded to the fractal
-  int64_t dtype;  // FaAscendDtype of q, k, v, out and P
+  int64_t Br;     // query rows per Cube tile
+  int64_t Bc;     // keys per Cube tile
+  int64_t Bb;     // rows per Vector slice
+  int64_t Hp;     // head dim padded to the fractal
+  int64_t dtype;  // FaDtype of q, k, v, out and P: kFaF16 or kFaBF16
 };
 
 constexpr int64_t fa_ascend_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -80,22 +80,22 @@ constexpr FaAscendBuffers fa_ascend_buffers(const FaAscendTile& t) {
   FaAscendBuffers b{};  // NOLINT: filled below
   const int64_t e = 2;  // bytes of a 16-bit element
   b.l1_q = 0;
-  b.l1_k = b.l1_q + t.br * t.hp * e;
-  b.l1_p = b.l1_k + t.hp * t.bc * e;
-  b.l1_v = b.l1_p + t.br * t.bc * e;
-  b.l1 = b.l1_v + t.bc * t.hp * e;
+  b.l1_k = b.l1_q + t.Br * t.Hp * e;
+  b.l1_p = b.l1_k + t.Hp * t.Bc * e;
+  b.l1_v = b.l1_p + t.Br * t.Bc * e;
+  b.l1 = b.l1_v + t.Bc * t.Hp * e;
   b.l0a_q = 0;
-  b.l0a_p = t.br * t.hp * e;
-  b.l0a = b.l0a_p + t.br * t.bc * e;
+  b.l0a_p = t.Br * t.Hp * e;
+  b.l0a = b.l0a_p + t.Br * t.Bc * e;
   b.l0b_k = 0;
-  b.l0b_v = t.hp * t.bc * e;
-  b.l0b = b.l0b_v + t.bc * t.hp * e;
+  b.l0b_v = t.Hp * t.Bc * e;
+  b.l0b = b.l0b_v + t.Bc * t.Hp * e;
   b.l0c_s = 0;
-  b.l0c_o = t.br * t.bc * 4;
-  b.l0c = b.l0c_o + t.br * t.hp * 4;
-  const int64_t rows = t.br * kFaAscendRowBytes, slice = t.bb * t.bc * 4;
+  b.l0c_o = t.Br * t.Bc * 4;
+  b.l0c = b.l0c_o + t.Br * t.Hp * 4;
+  const int64_t rows = t.Br * kFaAscendRowBytes, slice = t.Bb * t.Bc * 4;
   b.ub_acc = 0;
-  b.ub_m = b.ub_acc + t.br * t.hp * 4;
+  b.ub_m = b.ub_acc + t.Br * t.Hp * 4;
   b.ub_l = b.ub_m + rows;
   b.ub_alpha = b.ub_l + rows;
   b.ub_s = b.ub_alpha + rows;
@@ -103,11 +103,11 @@ constexpr FaAscendBuffers fa_ascend_buffers(const FaAscendTile& t) {
   b.ub_mask = b.ub_tmp + slice;
   b.ub_ramp = b.ub_mask + slice;
   b.ub_p = b.ub_ramp + slice;
-  b.ub_pv = b.ub_p + t.bb * t.bc * e;
-  b.ub_bool = b.ub_pv + t.bb * t.hp * 4;
-  b.ub_rows = b.ub_bool + t.bb * t.bc;
-  b.ub_index = b.ub_rows + 6 * t.bb * kFaAscendRowBytes;
-  b.ub = b.ub_index + 3 * t.bc * 4;
+  b.ub_pv = b.ub_p + t.Bb * t.Bc * e;
+  b.ub_bool = b.ub_pv + t.Bb * t.Hp * 4;
+  b.ub_rows = b.ub_bool + t.Bb * t.Bc;
+  b.ub_index = b.ub_rows + 6 * t.Bb * kFaAscendRowBytes;
+  b.ub = b.ub_index + 3 * t.Bc * 4;
   return b;
 }
 
@@ -140,13 +140,13 @@ inline const char* fa_ascend_overflow(const FaAscendTile& t, int64_t* used, int6
 // 80 KB, UB 146.75 KB.
 inline FaAscendTile fa_ascend_tile(int64_t T, int64_t H, int64_t dtype) {
   FaAscendTile t{};
-  t.hp = fa_ascend_round_up(H < 1 ? 1 : H, kFaAscendFractal);
-  const bool wide = t.hp > 128;
-  t.bc = wide ? 64 : 128;
+  t.Hp = fa_ascend_round_up(H < 1 ? 1 : H, kFaAscendFractal);
+  const bool wide = t.Hp > 128;
+  t.Bc = wide ? 64 : 128;
   const int64_t most = wide ? 64 : 128;
   const int64_t rows = fa_ascend_round_up(T < 1 ? 1 : T, kFaAscendFractal);
-  t.br = rows < most ? rows : most;
-  t.bb = t.br % 32 == 0 ? 32 : 16;
+  t.Br = rows < most ? rows : most;
+  t.Bb = t.Br % 32 == 0 ? 32 : 16;
   t.dtype = dtype;
   return t;
 }
@@ -180,7 +180,7 @@ struct FaAscendParams {
 // Work units: one per (b, n, Br-row tile, split), dealt round-robin to cores.
 inline int64_t fa_ascend_units(const FaAscendTile& t, int64_t B, int64_t Tp, int64_t N,
                                int64_t splits) {
-  return B * N * (Tp / t.br) * splits;
+  return B * N * (Tp / t.Br) * splits;
 }
 
 // Workspace, in floats: per core, the Cube's S of two key tiles (Br x Bc
@@ -190,12 +190,12 @@ inline int64_t fa_ascend_units(const FaAscendTile& t, int64_t B, int64_t Tp, int
 // GM); with split-KV, each unit's normalized partial output (Br x Hp) and
 // LSE (Br), merged by fa_ascend_merge.
 inline int64_t fa_ascend_core_floats(const FaAscendTile& t) {
-  return 2 * t.br * t.bc + t.br * t.bc / 2 + t.br * t.hp;
+  return 2 * t.Br * t.Bc + t.Br * t.Bc / 2 + t.Br * t.Hp;
 }
 
 inline int64_t fa_ascend_workspace_floats(const FaAscendTile& t, int64_t B, int64_t Tp, int64_t N,
                                           int64_t splits, int64_t cores) {
-  const int64_t partials = splits > 1 ? fa_ascend_units(t, B, Tp, N, splits) * (t.br * t.hp + t.br)
+  const int64_t partials = splits > 1 ? fa_ascend_units(t, B, Tp, N, splits) * (t.Br * t.Hp + t.Br)
                                       : 0;
   return cores * fa_ascend_core_floats(t) + partials;
 }

@@ -402,10 +402,10 @@ void plan(const AttentionParams& p, int64_t cpus, Problem* pb, int64_t* workers)
   int64_t base_items;
   pb->decode = pb->packed_rows <= kFewRows;
   if (pb->decode) {
-    const int64_t hp = round_up(p.H, 16);
-    pb->decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * hp) / 16 * 16, 16, kBc);
-    pb->q_floats = p.K * pb->packed_rows * hp;
-    pb->kv_floats = 2 * pb->decode_keys * p.K * hp;
+    const int64_t Hp = round_up(p.H, 16);
+    pb->decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * Hp) / 16 * 16, 16, kBc);
+    pb->q_floats = p.K * pb->packed_rows * Hp;
+    pb->kv_floats = 2 * pb->decode_keys * p.K * Hp;
     pb->row_capacity = round_up(p.K * pb->packed_rows, 16);
     base_items = p.B;
   } else {
@@ -474,13 +474,13 @@ CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& w
 
   if (pb.splits > 1) {
     switch (p.dtype) {
-      case ElementType::kF32:
+      case kFaF32:
         combine_splits<float>(pb);
         break;
-      case ElementType::kF16:
+      case kFaF16:
         combine_splits<Half>(pb);
         break;
-      case ElementType::kBF16:
+      case kFaBF16:
         combine_splits<BFloat16>(pb);
         break;
     }

@@ -12,11 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "attention_dtypes.h"
 #include "attention_rules.h"
 
 namespace fastattn {
-
-enum class ElementType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // One attention call. Shapes use the letters of jax.nn.dot_product_attention:
 // B batch, T query length, S key length, N query heads, K key/value heads
@@ -24,7 +23,7 @@ enum class ElementType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 struct AttentionParams {
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
 
-  ElementType dtype = ElementType::kF32;  // of q, k, v and out
+  FaDtype dtype = kFaF32;                 // of q, k, v and out
   const void* q = nullptr;                // (B, T, N, H), row-major
   const void* k = nullptr;                // (B, S, K, H), row-major
   const void* v = nullptr;                // (B, S, K, H), row-major
@@ -35,7 +34,7 @@ struct AttentionParams {
   // Optional additive bias, broadcast to (B, N, T, S) through element strides
   // (a stride of 0 repeats the value along that dimension). nullptr: none.
   const void* bias = nullptr;
-  ElementType bias_dtype = ElementType::kF32;
+  FaDtype bias_dtype = kFaF32;
   int64_t bias_strides[4] = {0, 0, 0, 0};  // b, n, t, s
 
   // Optional boolean mask (true = attend), broadcast like bias. nullptr: none.

@@ -36,7 +36,7 @@
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
 #error "attention_backward.cu is built as kernel 75 or 80"
 #endif
-#if FA_KERNEL_SM == 75 && FA_DTYPE != 0
+#if FA_KERNEL_SM == 75 && FA_DTYPE != FA_F16
 #error "kernel 75 is float16 only"
 #endif
 
@@ -45,10 +45,8 @@ namespace {
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kRowBytes = kH * 2 + 16;
 constexpr int kChunks = kH / 8;
-constexpr FaTile kTile = fa_backward_tile(FA_KERNEL_SM, kH, false);
 constexpr int kThreads = kTile.threads;
-constexpr int kBr = kTile.block_m;               // fa_backward_dq: rows per block
-constexpr int kBc = kTile.block_n;               // fa_backward_dkdv: keys per block
+// kBr: fa_backward_dq's rows per block; kBc: fa_backward_dkdv's keys per block.
 constexpr int kBcq = fa_backward_dq_keys(FA_KERNEL_SM, kH);  // fa_backward_dq: keys per step
 constexpr int kBq = fa_backward_query_rows(FA_KERNEL_SM, kH);  // fa_backward_dkdv: rows per step
 constexpr int kStages = fa_backward_stages(FA_KERNEL_SM, kH);  // query steps in flight

@@ -24,13 +24,12 @@
 #include "attention_grad.cuh"
 #include "attention_volta.cuh"
 
-#if FA_KERNEL_SM != 70 || FA_DTYPE != 0
+#if FA_KERNEL_SM != 70 || FA_DTYPE != FA_F16
 #error "attention_backward_volta.cu: kernel 70, float16 operands only"
 #endif
 
 namespace {
 
-constexpr FaTile kTile = fa_backward_tile(70, kH, false);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kKS = kH / 4;  // k4 steps over H
@@ -39,7 +38,6 @@ constexpr int kKS = kH / 4;  // k4 steps over H
 constexpr int kRGk = fa_volta_backward_key_groups(kH);
 constexpr int kHSk = 4 / kRGk;         // column parts of dK and dV
 constexpr int kRWk = 8 * kRGk;
-constexpr int kBc = kTile.block_n;     // kRWk * kWarps
 constexpr int kBq = kFaVoltaBackwardQueryRows;
 constexpr int kNTOk = kH / 8 / kHSk;   // dK and dV n-tiles per lane
 
@@ -47,7 +45,6 @@ constexpr int kNTOk = kH / 8 / kHSk;   // dK and dV n-tiles per lane
 constexpr int kRGq = fa_volta_row_groups(kH);
 constexpr int kHSq = 4 / kRGq;
 constexpr int kRWq = 8 * kRGq;
-constexpr int kBr = kTile.block_m;     // kRWq * kWarps
 constexpr int kBcq = fa_volta_backward_dq_keys(kH);
 constexpr int kNTOq = kH / 8 / kHSq;
 

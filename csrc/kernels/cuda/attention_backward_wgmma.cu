@@ -43,12 +43,10 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_backward_tile(90, kH, FA_ATOMIC_DQ);
 constexpr int kWG = 2;                   // consumer warpgroups of 64 rows
 constexpr int kThreads = kTile.threads;  // + the producer warpgroup
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-constexpr int kBr = kTile.block_m;       // fa_backward_dq: query rows per block
-constexpr int kBc = kTile.block_n;       // fa_backward_dkdv: keys per block
+// kBr: fa_backward_dq's query rows per block; kBc: fa_backward_dkdv's keys per block.
 constexpr int kStep = fa_wgmma_backward_step(kH);
 constexpr int kStages = kFaWgmmaBackwardStages;
 constexpr int kBlockBytes = 128 * kH * 2;  // a resident tile of 128 rows
@@ -95,7 +93,7 @@ __device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, 
 }
 
 // c = A B^T and d = A' B'^T over H (wgmma's K): A, A' the warpgroup's 64 rows
-// at a, ad (tiles of a_rows rows), B, B' kStep rows at bb, bd; K-major
+// at a, ad (tiles of kARows rows), B, B' kStep rows at bb, bd; K-major
 // operands, one 128-byte-swizzled panel per 64 columns.
 template <int kARows>
 __device__ __forceinline__ void two_products(unsigned a, unsigned ad, unsigned bb, unsigned bd,

@@ -14,8 +14,9 @@
 //                 90 (wgmma, sm_90a); the decode kernel: 75 or 80, its build
 //   FA_HEAD_DIM   the kernel head dim (attention_tiles.cuh); the call's H may
 //                 be smaller: columns past it read as zeros, never written
-//   FA_DTYPE      q, k, v element: 0 float16, 1 bfloat16 (FA_KERNEL_SM >= 80)
-//   FA_OUT_DTYPE  out element: 0 float16, 1 bfloat16, 2 float32
+//   FA_DTYPE      q, k, v element, a code of attention_dtypes.h: FA_F16, or
+//                 FA_BF16 (FA_KERNEL_SM >= 80)
+//   FA_OUT_DTYPE  out element: FA_F16, FA_BF16 or FA_F32
 //   FA_EXTRAS     forward kernels: 1 compiles in bias, mask and soft cap
 //                 (each still off when its field is null / 0) and any scale;
 //                 0: none of them, and scale > 0
@@ -27,10 +28,12 @@
 //      the decode kernel: fa_forward(const FaDecodeParams p))
 //   extern "C" __constant__ int fa_params_bytes;  // sizeof its parameters
 // and is launched with fa_forward_tile / fa_decode_tile's threads and
-// dynamic shared memory; grids: fa_forward_grid below, and the decode
-// kernel's lean partition (attention_decode.cu).
+// dynamic shared memory; grids: fa_forward_units below, each unit split in
+// FaSplitKV::parts, and the decode kernel's lean partition
+// (attention_decode.cu).
 #pragma once
 
+#include "attention_dtypes.h"
 #include "attention_rules.h"
 #include "attention_tiles.cuh"
 
@@ -119,11 +122,33 @@ struct FaTmaMaps {
 
 // The forward kernels' grid: ceil(T / Br) * N * B units, each split in
 // `parts` (FaSplitKV). Host and device compute it here.
-FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int block_m) {
-  return (long long)((p.T + block_m - 1) / block_m) * p.N * p.B;
+FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int Br) {
+  return (long long)((p.T + Br - 1) / Br) * p.N * p.B;
 }
 
 #ifdef __CUDACC_RTC__
+
+namespace {
+
+// The compute capability being compiled for, as attention_tiles.cuh and the
+// host encode a GPU (10 * major + minor; __CUDA_ARCH__ is 10 times that).
+constexpr int kFaCc = __CUDA_ARCH__ / 10;
+
+// The tile of the variant being compiled: what KernelVariant::Tile gives the
+// host (csrc/cuda/variants.cc), from the same function for its kind, picked
+// by the defines the variant sets. Its Br and Bc are the kernels' kBr and kBc.
+constexpr FaTile kTile =
+#if defined(FA_DECODE_ROWS)
+    fa_decode_tile(FA_KERNEL_SM, FA_DECODE_ROWS, FA_HEAD_DIM, kFaCc);
+#elif defined(FA_ATOMIC_DQ)
+    fa_backward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_ATOMIC_DQ);
+#else
+    fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, kFaCc);
+#endif
+constexpr int kBr = kTile.Br;
+constexpr int kBc = kTile.Bc;
+
+}  // namespace
 
 #define FA_NEG_INF __int_as_float(0xff800000)
 
@@ -136,9 +161,9 @@ __device__ __forceinline__ int fa_kv_len(const FaOperands& p, int b) {
 }
 
 // The key tiles of Bc keys, [*t_begin, *t_end), that cover keys [lo, hi).
-__device__ __forceinline__ void fa_key_tiles(int lo, int hi, int bc, int* t_begin, int* t_end) {
-  *t_begin = lo / bc;
-  *t_end = hi > lo ? (hi + bc - 1) / bc : *t_begin;
+__device__ __forceinline__ void fa_key_tiles(int lo, int hi, int Bc, int* t_begin, int* t_end) {
+  *t_begin = lo / Bc;
+  *t_end = hi > lo ? (hi + Bc - 1) / Bc : *t_begin;
 }
 
 // Split-KV: the share [*t_begin, *t_end) of the key tiles that split `split`
@@ -245,7 +270,7 @@ __device__ __forceinline__ float fa_bf16_to_f32(unsigned short h) {
 
 // q, k, v elements of the kernel's FA_DTYPE, two per register.
 __device__ __forceinline__ unsigned fa_pack_in(float lo, float hi) {
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
   return fa_pack_bf16(lo, hi);
 #else
   return fa_pack_f16(lo, hi);
@@ -260,10 +285,10 @@ constexpr float kFaLn2 = 0.6931471805599453f;
 __device__ __forceinline__ void fa_store_quad(void* out, long long at, const float (&x)[4]) {
 #pragma unroll
   for (int f = 0; f < 4; f += 2) {
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
     static_cast<float*>(out)[at + f] = x[f];
     static_cast<float*>(out)[at + f + 1] = x[f + 1];
-#elif FA_OUT_DTYPE == 1
+#elif FA_OUT_DTYPE == FA_BF16
     *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at + f) =
         fa_pack_bf16(x[f], x[f + 1]);
 #else
@@ -275,9 +300,9 @@ __device__ __forceinline__ void fa_store_quad(void* out, long long at, const flo
 
 // --- Blocks and tiles ---------------------------------------------------------
 
-// What a block of fa_forward owns: query rows [m0, m0 + block_m) of batch b,
+// What a block of fa_forward owns: query rows [m0, m0 + Br) of batch b,
 // head n (reading key/value head kvh), and split `split` of their key tiles:
-// unit `unit` of fa_forward_units. [t_begin, t_end) are the tiles of block_n
+// unit `unit` of fa_forward_units. [t_begin, t_end) are the tiles of Bc
 // keys it walks: its split's share of those covering the keys [lo, hi) that
 // some row of the block sees. Consecutive blocks share (b, n), so the K/V
 // they stream hit L2 together; the splits of one unit are grid-wide apart,
@@ -286,8 +311,8 @@ struct FaBlock {
   int b, n, kvh, m0, q_len, kv_len, split, unit, lo, hi, t_begin, t_end;
 };
 
-__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m, int block_n) {
-  const int num_m = (p.T + block_m - 1) / block_m;
+__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int Br, int Bc) {
+  const int num_m = (p.T + Br - 1) / Br;
   const int units = num_m * p.N * p.B;
   FaBlock k;
   k.split = blockIdx.x / units;
@@ -297,10 +322,10 @@ __device__ __forceinline__ FaBlock fa_block(const FaParams& p, int block_m, int 
   k.n = bn % p.N, k.b = bn / p.N;
   if (p.rules.causal) mb = num_m - 1 - mb;
   k.kvh = k.n / (p.N / p.K);
-  k.m0 = mb * block_m;
+  k.m0 = mb * Br;
   k.q_len = fa_q_len(p, k.b), k.kv_len = fa_kv_len(p, k.b);
-  fa_rows_keys(p.rules, k.q_len, k.kv_len, k.m0, k.m0 + block_m, &k.lo, &k.hi);
-  fa_key_tiles(k.lo, k.hi, block_n, &k.t_begin, &k.t_end);
+  fa_rows_keys(p.rules, k.q_len, k.kv_len, k.m0, k.m0 + Br, &k.lo, &k.hi);
+  fa_key_tiles(k.lo, k.hi, Bc, &k.t_begin, &k.t_end);
   fa_split_tiles(k.split, p.split.parts, &k.t_begin, &k.t_end);
   return k;
 }

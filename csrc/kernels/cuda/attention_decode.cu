@@ -7,7 +7,7 @@
 // matters is streaming K and V once, at full bandwidth, from enough blocks to
 // keep every multiprocessor busy to the end, with few enough instructions
 // per key that issue never limits it. A unit of work is the T * G rows of one
-// (b, kvh) and their walk over the keys they see, in steps of kKeysPerIter
+// (b, kvh) and their walk over the keys they see, in steps of kBc
 // keys; the launch is one wave of blocks, and block i takes the i-th equal
 // share of all units' steps, flattened in unit order (a lean, stream-K
 // partition, attention_split.cuh): a share may end one unit and start the
@@ -56,7 +56,6 @@ namespace {
 
 constexpr int kRows = FA_DECODE_ROWS;
 constexpr int kH = FA_HEAD_DIM;
-constexpr FaTile kTile = fa_decode_tile(FA_KERNEL_SM, kRows, kH, __CUDA_ARCH__);
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 // Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
 // per warp while the other is computed) and as many warps (up to 8) as
@@ -65,10 +64,9 @@ constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 // 3, by up to 9% at S = 4K and 1-2% at 256K.
 constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
-constexpr int kKeysPerIter = kTile.block_n;
 constexpr int kSmemBytes = kTile.smem_bytes;
 // Most segments of a unit in one cluster (1: no clusters; attention_tiles.cuh).
-constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, __CUDA_ARCH__);
+constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, kFaCc);
 #if FA_KERNEL_SM >= 80
 constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16 step of P V)
 // A key's row in a ring stage (attention_tiles.cuh). Either layout puts the
@@ -283,7 +281,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 __device__ __forceinline__ void unpack(const Chunk& c, float (&f)[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
     f[2 * i] = __uint_as_float(c.w[i] << 16);
     f[2 * i + 1] = __uint_as_float(c.w[i] & 0xffff0000u);
 #else
@@ -327,9 +325,9 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 
   const unsigned short* k_lane = d.k_head + chunk * 8;
   const unsigned short* v_lane = d.v_head + chunk * 8;
-  const int iters = d.k1 > d.k0 ? (d.k1 - d.k0 + kKeysPerIter - 1) / kKeysPerIter : 0;
+  const int iters = d.k1 > d.k0 ? (d.k1 - d.k0 + kBc - 1) / kBc : 0;
   for (int n = 0; n < iters; ++n) {
-    const int it = d.k0 + n * kKeysPerIter;
+    const int it = d.k0 + n * kBc;
     int j[kSteps];
     Chunk kc[kSteps], vc[kSteps];
 #pragma unroll
@@ -363,7 +361,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
         for (int r = 0; r < kRows; ++r) x[u][r] += __shfl_xor_sync(0xffffffffu, x[u][r], off);
       }
     }
-    const bool edge = d.per_row || it + kKeysPerIter > d.k1;
+    const bool edge = d.per_row || it + kBc > d.k1;
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
 #pragma unroll
@@ -454,7 +452,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   d.softcap2 = p.rules.softcap * kFaLog2e;
   d.key_stride = p.kv_stride[1];
 
-  // The block's walk through the lean partition: the steps (kKeysPerIter
+  // The block's walk through the lean partition: the steps (kBc
   // keys each) of all B * K units, a unit of batch b taking those of the keys
   // [lo, hi) its T rows see, at least one (an empty unit still writes its
   // rows: zeros and -inf). Kept in shared memory, not in registers across the
@@ -479,7 +477,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   __shared__ Lean s_lean;
   auto batch_steps = [&](int b, int* lo, int* hi) {
     fa_rows_keys(p.rules, p.T, fa_kv_len(p, b), 0, p.T, lo, hi);
-    return max(1, (*hi - *lo + kKeysPerIter - 1) / kKeysPerIter);
+    return max(1, (*hi - *lo + kBc - 1) / kBc);
   };
   if (threadIdx.x == 0) {
     Lean l;
@@ -527,8 +525,8 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     d.b = s_lean.b;
     d.kvh = s_lean.kvh;
     d.kv_len = fa_kv_len(p, d.b);
-    d.k0 = min(s_lean.hi, s_lean.lo + s0 * kKeysPerIter);
-    d.k1 = min(s_lean.hi, s_lean.lo + s1 * kKeysPerIter);
+    d.k0 = min(s_lean.hi, s_lean.lo + s0 * kBc);
+    d.k1 = min(s_lean.hi, s_lean.lo + s1 * kBc);
     const long long kv_at = fa_at(p.kv_stride, d.b, 0, d.kvh);
     d.k_head = static_cast<const unsigned short*>(p.k) + kv_at;
     d.v_head = static_cast<const unsigned short*>(p.v) + kv_at;

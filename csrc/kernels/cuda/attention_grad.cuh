@@ -56,9 +56,9 @@ __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, flo
 
 // Elements at and after `at` (even) of a gradient array of FA_OUT_DTYPE.
 __device__ __forceinline__ void fa_store_pair(void* out, long long at, float x0, float x1) {
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
   *reinterpret_cast<float2*>(static_cast<float*>(out) + at) = make_float2(x0, x1);
-#elif FA_OUT_DTYPE == 1
+#elif FA_OUT_DTYPE == FA_BF16
   *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_bf16(x0, x1);
 #else
   *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(out) + at) = fa_pack_f16(x0, x1);
@@ -88,20 +88,20 @@ __device__ __forceinline__ void fa_write_grad_rows(void* out, const long long (&
   }
 }
 
-// fa_backward_dkdv's block: keys [j0, j0 + bc) of (b, kvh), block `unit`
-// of ceil(S / bc) * K * B, read by the G = N / K query heads kvh G ..
-// n_end; j1 = min(j0 + bc, kv_len).
+// fa_backward_dkdv's block: keys [j0, j0 + Bc) of (b, kvh), block `unit`
+// of ceil(S / Bc) * K * B, read by the G = N / K query heads kvh G ..
+// n_end; j1 = min(j0 + Bc, kv_len).
 struct FaKeyBlock {
   int b, kvh, j0, j1, q_len, kv_len, n_end;
 };
 
-__device__ __forceinline__ FaKeyBlock fa_key_block(const FaParams& p, int bc, int unit) {
-  const int tiles = (p.S + bc - 1) / bc;
+__device__ __forceinline__ FaKeyBlock fa_key_block(const FaParams& p, int Bc, int unit) {
+  const int tiles = (p.S + Bc - 1) / Bc;
   FaKeyBlock k;
   k.kvh = unit / tiles % p.K, k.b = unit / tiles / p.K;
-  k.j0 = unit % tiles * bc;
+  k.j0 = unit % tiles * Bc;
   k.q_len = fa_q_len(p, k.b), k.kv_len = fa_kv_len(p, k.b);
-  k.j1 = min(k.j0 + bc, k.kv_len);
+  k.j1 = min(k.j0 + Bc, k.kv_len);
   k.n_end = (k.kvh + 1) * (p.N / p.K);
   return k;
 }

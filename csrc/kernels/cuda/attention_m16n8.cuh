@@ -81,7 +81,7 @@ struct FaTileRegs {
 __device__ __forceinline__ void fa_mma16(float (&c)[4], const unsigned (&a)[4],
                                          unsigned b0, unsigned b1) {
 #if FA_KERNEL_SM == 80
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
       "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -228,7 +228,7 @@ __device__ __forceinline__ void fa_pack_a(const float (&s)[kNs][4], int kk, unsi
 template <int kNo>
 __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o)[kNo][4],
                                               const float (&m)[2], const float (&l)[2],
-                                              int b, int n, int m0, int block_m, int row0,
+                                              int b, int n, int m0, int Br, int row0,
                                               int t4, float to_log2, long long slot) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -240,7 +240,7 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
     const float lse2 = lh == 0.f ? FA_NEG_INF : m[h] * to_log2 + fa_lg2(lh);
     if (i >= p.T) continue;
     if (slot >= 0) {
-      const long long row = slot * block_m + i - m0;
+      const long long row = slot * Br + i - m0;
       float* dst = p.split.partial_out + row * p.H;
       if (t4 == 0) p.split.partial_lse[row] = lse2;
 #pragma unroll
@@ -260,12 +260,12 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
       const int col = nt * 8 + 2 * t4;
       if (col >= p.H) continue;
       const float x0 = o[nt][2 * h] * inv, x1 = o[nt][2 * h + 1] * inv;
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
       float* out = static_cast<float*>(p.out) + at + col;
       out[0] = x0;
       out[1] = x1;
 #else
-#if FA_OUT_DTYPE == 1
+#if FA_OUT_DTYPE == FA_BF16
       const unsigned v = fa_pack_bf16(x0, x1);
 #else
       const unsigned v = fa_pack_f16(x0, x1);

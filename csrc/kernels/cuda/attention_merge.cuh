@@ -10,12 +10,10 @@
 #include "attention_split.cuh"
 
 extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaParams p) {
-  constexpr FaTile tile = fa_forward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_EXTRAS, __CUDA_ARCH__);
-  const int block_m = tile.block_m;
-  const FaBlock blk = fa_block(p, block_m, tile.block_n);  // blockIdx.x: the unit, split 0
+  const FaBlock blk = fa_block(p, kBr, kBc);  // blockIdx.x: the unit, split 0
   fa_merge_segments<8>(p, fa_workspace_slots(p.split, (long long)blk.unit * p.split.parts,
-                                              block_m, p.H),
-                       p.split.parts, min(block_m, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
+                                              kBr, p.H),
+                       p.split.parts, min(kBr, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
                        [&](int r) { return fa_at(p.out_stride, blk.b, blk.m0 + r, blk.n); },
                        [&](int r) { return fa_at(p.lse_stride, blk.b, blk.m0 + r, blk.n); });
 }

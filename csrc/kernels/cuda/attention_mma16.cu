@@ -23,7 +23,7 @@
 #if FA_KERNEL_SM != 75 && FA_KERNEL_SM != 80
 #error "attention_mma16.cu serves kernels 75 and 80"
 #endif
-#if FA_KERNEL_SM == 75 && FA_DTYPE != 0
+#if FA_KERNEL_SM == 75 && FA_DTYPE != FA_F16
 #error "kernel 75 is float16 only"
 #endif
 
@@ -34,20 +34,18 @@ constexpr bool kPath75 = FA_KERNEL_SM == 75;
 constexpr int kRowBytes = kH * 2 + 16;  // padded smem row
 constexpr int kChunks = kH / 8;         // 16-byte chunks per row
 
-// Tile shape (attention_tiles.cuh). Up to H=128, two m-tiles per warp halve
-// the K/V shared-memory reads per flop (each B fragment feeds two mma): with
-// one, ldmatrix bandwidth, not the tensor cores, is the limit (bf16 on an
-// H100 at S=16384: kernel 80 went from 212 to 286 TFLOP/s at H=64 and from
-// 275 to 307 at H=128; kernel 75 from 147 to 192 at H=128). The accumulators
-// of two m-tiles leave no registers for Q fragments, which are reloaded from
-// shared memory at every k-step, nor for kernel 75's prefetched tile.
-constexpr FaTile kTile = fa_forward_tile(FA_KERNEL_SM, kH, FA_EXTRAS, __CUDA_ARCH__);
+// Tile shape (attention_tiles.cuh; kTile, kBr and kBc: attention_common.cuh).
+// Up to H=128, two m-tiles per warp halve the K/V shared-memory reads per
+// flop (each B fragment feeds two mma): with one, ldmatrix bandwidth, not the
+// tensor cores, is the limit (bf16 on an H100 at S=16384: kernel 80 went from
+// 212 to 286 TFLOP/s at H=64 and from 275 to 307 at H=128; kernel 75 from 147
+// to 192 at H=128). The accumulators of two m-tiles leave no registers for Q
+// fragments, which are reloaded from shared memory at every k-step, nor for
+// kernel 75's prefetched tile.
 constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
 constexpr int kMt = fa_mma16_m_tiles(kH);
 constexpr int kStages = fa_mma16_stages(FA_KERNEL_SM);
-constexpr int kBr = kTile.block_m;
-constexpr int kBc = kTile.block_n;
 constexpr int kSmem = kTile.smem_bytes;
 constexpr int kKs = kH / 16;   // k16 steps of Q K^T
 constexpr int kNs = kBc / 8;   // n8 tiles of S

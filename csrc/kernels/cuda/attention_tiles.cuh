@@ -1,16 +1,17 @@
 // The one home of the CUDA kernels' shape facts: which head dims each kernel
 // is built for, which decode build and row count serves a call, and each
-// kernel's tile (Br, Bc, threads, shared memory) per GPU arch. The kernels
-// take their constants from here (compiled by NVRTC with __CUDA_ARCH__); the
-// host (csrc/cuda/variants.cc) asks the same functions to size grids,
-// workspaces and split counts before anything is compiled.
+// kernel's tile (Br, Bc, threads, shared memory) per GPU. The kernels take
+// their constants from here (compiled by NVRTC); the host
+// (csrc/cuda/variants.cc) asks the same functions to size grids, workspaces
+// and split counts before anything is compiled.
 //
-// Kernels are named by the sm they were written for (kernel_sm): 70
-// (mma.m8n8k4, attention_volta.cu), 75 (mma.m16n8k8) and 80 (mma.m16n8k16 +
-// cp.async, both attention_mma16.cu), 90 (wgmma, attention_wgmma.cu); the
-// decode kernel (attention_decode.cu) has two builds, 75 (CUDA cores) and 80
-// (tensor cores + cp.async). `arch` is the target's compute capability as
-// __CUDA_ARCH__ spells it (700, 750, 800, 860, 900, ...).
+// A GPU generation is its compute capability `cc`, 10 * major + minor (70,
+// 75, 80, 86, 90, ...), on the host and in the kernels alike (these take
+// attention_common.cuh's kFaCc, __CUDA_ARCH__ / 10). Kernels are named by the
+// cc they were written for (kernel_sm): 70 (mma.m8n8k4, attention_volta.cu),
+// 75 (mma.m16n8k8) and 80 (mma.m16n8k16 + cp.async, both attention_mma16.cu),
+// 90 (wgmma, attention_wgmma.cu); the decode kernel (attention_decode.cu) has
+// two builds, 75 (CUDA cores) and 80 (tensor cores + cp.async).
 //
 // No includes: compiled by the host compiler and by NVRTC.
 #pragma once
@@ -54,8 +55,8 @@ FA_TILE_FN int fa_decode_rows(long long rows) {
 FA_TILE_FN int fa_decode_build(int kernel_sm) { return kernel_sm >= 80 ? 80 : 75; }
 
 struct FaTile {
-  int block_m;     // Br: query rows per block (decode: rows per block)
-  int block_n;     // Bc: keys per tile (decode: keys per iteration of a block)
+  int Br;          // query rows per block (decode: rows per block)
+  int Bc;          // keys per tile (decode: keys per iteration of a block)
   int threads;
   int smem_bytes;  // dynamic shared memory per block
 };
@@ -67,21 +68,21 @@ struct FaTile {
 FA_TILE_FN int fa_mma16_m_tiles(int h) { return h <= 128 ? 2 : 1; }
 // cp.async stages of K and V (kernel 80); kernel 75 stages through registers.
 FA_TILE_FN int fa_mma16_stages(int kernel_sm) { return kernel_sm == 80 ? 2 : 1; }
-FA_TILE_FN int fa_mma16_smem_budget(int kernel_sm, int arch) {
+FA_TILE_FN int fa_mma16_smem_budget(int kernel_sm, int cc) {
   return kernel_sm == 75 ? 64 * 1024                              // T4
-       : arch == 800 || arch == 870 ? 163 * 1024
-       : arch >= 900 ? 227 * 1024
-                     : 99 * 1024;                                 // sm_86, sm_89
+       : cc == 80 || cc == 87 ? 163 * 1024
+       : cc >= 90 ? 227 * 1024
+                  : 99 * 1024;                                    // sm_86, sm_89
 }
 // Shared-memory rows are padded by 16 bytes (see attention_mma16.cu).
-FA_TILE_FN int fa_mma16_smem(int kernel_sm, int h, int bc) {
-  return (4 * 16 * fa_mma16_m_tiles(h) + fa_mma16_stages(kernel_sm) * 2 * bc) * (2 * h + 16);
+FA_TILE_FN int fa_mma16_smem(int kernel_sm, int h, int Bc) {
+  return (4 * 16 * fa_mma16_m_tiles(h) + fa_mma16_stages(kernel_sm) * 2 * Bc) * (2 * h + 16);
 }
 // Bc: as wide as registers allow (S and, on kernel 75, the prefetched tile
 // grow with it), then as shared memory allows.
-FA_TILE_FN int fa_mma16_bc(int kernel_sm, int h, int arch) {
+FA_TILE_FN int fa_mma16_Bc(int kernel_sm, int h, int cc) {
   const int most = kernel_sm == 75 ? (h <= 64 ? 64 : h <= 160 ? 32 : 16) : (h <= 64 ? 64 : 32);
-  const int budget = fa_mma16_smem_budget(kernel_sm, arch);
+  const int budget = fa_mma16_smem_budget(kernel_sm, cc);
   return most >= 64 && fa_mma16_smem(kernel_sm, h, 64) <= budget   ? 64
        : most >= 32 && fa_mma16_smem(kernel_sm, h, 32) <= budget ? 32
                                                                   : 16;
@@ -93,21 +94,21 @@ FA_TILE_FN int fa_mma16_bc(int kernel_sm, int h, int arch) {
 // registers.
 FA_TILE_FN int fa_volta_row_groups(int h) { return h > 128 ? 2 : 4; }
 // Bc: S takes Bc registers per lane and the K/V prefetch Bc * H / 256.
-FA_TILE_FN int fa_volta_bc(int h) { return h <= 64 ? 64 : h < 224 ? 32 : 16; }
+FA_TILE_FN int fa_volta_Bc(int h) { return h <= 64 ? 64 : h < 224 ? 32 : 16; }
 // Bytes of a tile of `rows` rows: H / 4 chunks of 8 bytes plus one of padding.
 FA_TILE_FN int fa_volta_tile_bytes(int rows, int h) { return rows * (h / 4 + 1) * 8; }
 // V100 gives 96 KB of shared memory to an SM: where Q, K and V would keep a
 // second block out, V reuses K's buffer.
 FA_TILE_FN bool fa_volta_one_kv(int h) {
   return fa_volta_tile_bytes(4 * 8 * fa_volta_row_groups(h), h) +
-             2 * fa_volta_tile_bytes(fa_volta_bc(h), h) > 48 * 1024;
+             2 * fa_volta_tile_bytes(fa_volta_Bc(h), h) > 48 * 1024;
 }
 
 // --- attention_wgmma.cu (kernel 90) ---------------------------------------------
 
 // Bc: a consumer thread holds S (Bc / 2 registers), the previous tile's P
 // (Bc / 4) and O (H / 2) at once; these are the widest that do not spill.
-FA_TILE_FN int fa_wgmma_bc(int h, bool extras) {
+FA_TILE_FN int fa_wgmma_Bc(int h, bool extras) {
   return h <= 128 ? (extras ? 64 : 128) : h <= 192 ? 64 : 32;
 }
 constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
@@ -128,9 +129,9 @@ FA_TILE_FN int fa_decode_tile_bytes(int h) {
 FA_TILE_FN int fa_decode_ring_bytes(int warps, int h) {
   return warps * kFaDecodeStages * 2 * fa_decode_tile_bytes(h);
 }
-FA_TILE_FN int fa_decode_warps(int build, int h, int arch) {
+FA_TILE_FN int fa_decode_warps(int build, int h, int cc) {
   // Shared memory a block may take, less its static arrays (8 KB).
-  const int budget = (arch == 800 || arch == 870 ? 163 : arch >= 900 ? 227 : 99) * 1024 - 8 * 1024;
+  const int budget = (cc == 80 || cc == 87 ? 163 : cc >= 90 ? 227 : 99) * 1024 - 8 * 1024;
   return build == 75                                  ? 4
        : fa_decode_ring_bytes(8, h) <= budget ? 8
        : fa_decode_ring_bytes(4, h) <= budget ? 4
@@ -147,12 +148,12 @@ FA_TILE_FN int fa_decode_steps(int rows) { return rows == 2 ? 8 : rows == 8 ? 2 
 // in its rank 0's shared memory (attention_decode.cu): build 80 on sm_90 and
 // newer, up to the portable cluster size, 8 (16, non-portable, was slower on
 // the H100: B = 1, S = 4K, 20 against 12.5 us); 1 elsewhere: no clusters.
-FA_TILE_FN int fa_decode_cluster_max(int build, int arch) {
-  return build == 80 && arch >= 900 ? 8 : 1;
+FA_TILE_FN int fa_decode_cluster_max(int build, int cc) {
+  return build == 80 && cc >= 90 ? 8 : 1;
 }
 // Rank 0's slots for its cluster's segments: each segment's rows (O and LSE).
-FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int arch) {
-  const int most = fa_decode_cluster_max(build, arch);
+FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int cc) {
+  const int most = fa_decode_cluster_max(build, cc);
   return most > 1 ? most * rows * (h + 1) * 4 : 0;
 }
 
@@ -199,8 +200,8 @@ FA_TILE_FN int fa_backward_dq_smem(int kernel_sm, int h, int keys) {
 // above H = 192 (at 32 the H = 256 build spilled 48 bytes).
 FA_TILE_FN int fa_backward_dq_keys(int kernel_sm, int h) {
   if (h > 128) return h > 192 ? 16 : 32;
-  return kernel_sm == 75 && fa_backward_dq_smem(75, h, 64) > fa_mma16_smem_budget(75, 750) ? 32
-                                                                                             : 64;
+  return kernel_sm == 75 && fa_backward_dq_smem(75, h, 64) > fa_mma16_smem_budget(75, 75) ? 32
+                                                                                           : 64;
 }
 // Kernel 70's (attention_backward_volta.cu): fa_backward_dkdv's row groups
 // of 8 keys per warp, 4 up to H = 64, 2 above (quad pairs then split the
@@ -236,8 +237,8 @@ FA_TILE_FN int fa_wgmma_backward_dq_stage_bytes(int h) {
   return 128 * fa_wgmma_backward_dq_pitch(h) * 4;
 }
 
-// The backward kernels' tile: block_m query rows per fa_backward_dq block,
-// block_n keys per fa_backward_dkdv block, 4 warps, shared memory for the
+// The backward kernels' tile: Br query rows per fa_backward_dq block, Bc
+// keys per fa_backward_dkdv block, 4 warps, shared memory for the
 // larger of the two. Kernels 75 and 80: fa_backward_dq on Br = 64 query rows
 // (16 per warp) holding Q, dO and the stages' K and V tiles of
 // fa_backward_dq_keys; fa_backward_dkdv on Bc = 64 keys holding K, V, and
@@ -258,13 +259,13 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
     return FaTile{128, 128, 3 * 128, (dq > dkdv ? dq : dkdv) + 1024 + 128};
   }
   if (kernel_sm == 70) {
-    const int br = 4 * 8 * fa_volta_row_groups(h), bc = 4 * 8 * fa_volta_backward_key_groups(h);
+    const int Br = 4 * 8 * fa_volta_row_groups(h), Bc = 4 * 8 * fa_volta_backward_key_groups(h);
     const int rows = kFaVoltaBackwardQueryRows;
     const int dkdv =
-        2 * fa_volta_tile_bytes(bc, h) + 2 * fa_volta_tile_bytes(rows, h) + 2 * rows * 4;
+        2 * fa_volta_tile_bytes(Bc, h) + 2 * fa_volta_tile_bytes(rows, h) + 2 * rows * 4;
     const int dq =
-        2 * fa_volta_tile_bytes(br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
-    return FaTile{br, bc, 128, dq > dkdv ? dq : dkdv};
+        2 * fa_volta_tile_bytes(Br, h) + 2 * fa_volta_tile_bytes(fa_volta_backward_dq_keys(h), h);
+    return FaTile{Br, Bc, 128, dq > dkdv ? dq : dkdv};
   }
   const int rows = fa_backward_query_rows(kernel_sm, h), stages = fa_backward_stages(kernel_sm, h);
   const int dq = fa_backward_dq_smem(kernel_sm, h, fa_backward_dq_keys(kernel_sm, h));
@@ -275,33 +276,33 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
 // --- tiles ----------------------------------------------------------------------------
 
 // The tile of forward kernel `kernel_sm` at kernel head dim h (a multiple of
-// 32; of 64 for kernel 90) on `arch`; `extras`: bias, mask and soft cap
+// 32; of 64 for kernel 90) on `cc`; `extras`: bias, mask and soft cap
 // compiled in.
-FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int arch) {
+FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int cc) {
   if (kernel_sm == 90) {
-    const int bc = fa_wgmma_bc(h, extras);
+    const int Bc = fa_wgmma_Bc(h, extras);
     // Q, the K and V stages, then alignment slack and the mbarriers.
-    return FaTile{128, bc, 3 * 128, 128 * h * 2 + kFaWgmmaStages * 2 * bc * h * 2 + 1024 + 128};
+    return FaTile{128, Bc, 3 * 128, 128 * h * 2 + kFaWgmmaStages * 2 * Bc * h * 2 + 1024 + 128};
   }
   if (kernel_sm == 70) {
-    const int br = 4 * 8 * fa_volta_row_groups(h), bc = fa_volta_bc(h);
-    return FaTile{br, bc, 128,
-                  fa_volta_tile_bytes(br, h) +
-                      (fa_volta_one_kv(h) ? 1 : 2) * fa_volta_tile_bytes(bc, h)};
+    const int Br = 4 * 8 * fa_volta_row_groups(h), Bc = fa_volta_Bc(h);
+    return FaTile{Br, Bc, 128,
+                  fa_volta_tile_bytes(Br, h) +
+                      (fa_volta_one_kv(h) ? 1 : 2) * fa_volta_tile_bytes(Bc, h)};
   }
-  const int bc = fa_mma16_bc(kernel_sm, h, arch);
-  return FaTile{4 * 16 * fa_mma16_m_tiles(h), bc, 128, fa_mma16_smem(kernel_sm, h, bc)};
+  const int Bc = fa_mma16_Bc(kernel_sm, h, cc);
+  return FaTile{4 * 16 * fa_mma16_m_tiles(h), Bc, 128, fa_mma16_smem(kernel_sm, h, Bc)};
 }
 
 // The tile of the decode kernel, build 75 or 80, at `rows` rows per block
-// (1, 2, 4 or 8) and kernel head dim h (a multiple of 32), on `arch`. Its
+// (1, 2, 4 or 8) and kernel head dim h (a multiple of 32), on `cc`. Its
 // dynamic shared memory holds the K/V rings and, once the walk is done, the
 // warps' O rows and the cluster's slots.
-FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int arch) {
-  const int warps = fa_decode_warps(build, h, arch);
+FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int cc) {
+  const int warps = fa_decode_warps(build, h, cc);
   const int keys = build == 80 ? warps * kFaDecodeTileKeys
                                : warps * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
   const int ring = build == 80 ? fa_decode_ring_bytes(warps, h) : 0;
-  const int after = warps * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, arch);
+  const int after = warps * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, cc);
   return FaTile{rows, keys, 32 * warps, ring > after ? ring : after};
 }

@@ -54,23 +54,21 @@
 #include "attention_merge.cuh"
 #include "attention_volta.cuh"
 
-#if FA_KERNEL_SM != 70 || FA_DTYPE != 0
+#if FA_KERNEL_SM != 70 || FA_DTYPE != FA_F16
 #error "attention_volta.cu: kernel 70, float16 operands only"
 #endif
 
 namespace {
 
-constexpr FaTile kTile = fa_forward_tile(70, kH, FA_EXTRAS, __CUDA_ARCH__);
 constexpr int kThreads = kTile.threads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRG = fa_volta_row_groups(kH);  // row groups (of 8 rows) per warp
 constexpr int kHS = 4 / kRG;           // column parts of O per row group
 constexpr int kRW = 8 * kRG;           // Bb: rows per warp
-constexpr int kBr = kTile.block_m;     // kRW * kWarps
-// Bc (attention_tiles.cuh): 64 keys halve the barriers per key while O is
-// small; 32 keep H = 128 at 128 + 32 + 16 registers, and 16 keep H >= 224
-// (O at 128 again) out of spills.
-constexpr int kBc = kTile.block_n;
+static_assert(kBr == kRW * kWarps, "the tile of attention_tiles.cuh");
+// kBc (attention_tiles.cuh: fa_volta_Bc): 64 keys halve the barriers per key
+// while O is small; 32 keep H = 128 at 128 + 32 + 16 registers, and 16 keep
+// H >= 224 (O at 128 again) out of spills.
 constexpr int kNTS = kBc / 8;          // S n-tiles
 constexpr int kKS = kH / 4;            // QK^T k-steps
 constexpr int kKK = kBc / 4;           // PV k-steps
@@ -294,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     }
     if (lse_lane) p.lse[fa_at(p.lse_stride, end.b, i, end.n)] = lse2[r] * kFaLn2;
     char* orow = static_cast<char*>(p.out) +
-                 fa_at(p.out_stride, end.b, i, end.n) * (FA_OUT_DTYPE == 2 ? 4 : 2);
+                 fa_at(p.out_stride, end.b, i, end.n) * (FA_OUT_DTYPE == FA_F32 ? 4 : 2);
 #pragma unroll
     for (int j = 0; j < kNTO; ++j) {
 #pragma unroll
@@ -302,9 +300,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
         const int col = o_tile(j, part) * 8 + 4 * half + 2 * t1;
         if (col >= p.H) continue;
         const float v0 = o[j][4 * half + 2 * r] * inv[r], v1 = o[j][4 * half + 2 * r + 1] * inv[r];
-#if FA_OUT_DTYPE == 2
+#if FA_OUT_DTYPE == FA_F32
         *reinterpret_cast<float2*>(orow + col * 4) = make_float2(v0, v1);
-#elif FA_OUT_DTYPE == 1
+#elif FA_OUT_DTYPE == FA_BF16
         *reinterpret_cast<unsigned*>(orow + col * 2) = fa_pack_bf16(v0, v1);
 #else
         *reinterpret_cast<unsigned*>(orow + col * 2) = fa_pack_f16(v0, v1);

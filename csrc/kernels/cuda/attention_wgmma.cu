@@ -33,13 +33,10 @@
 
 namespace {
 
-constexpr FaTile kTile = fa_forward_tile(90, kH, FA_EXTRAS, __CUDA_ARCH__);
 constexpr int kWG = 2;                     // warpgroups of 64 rows
 constexpr int kThreads = kTile.threads;    // (kWG + 1) * 128: + the producer warpgroup
 // Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 <= 65536.
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-constexpr int kBr = kTile.block_m;         // kWG * 64
-constexpr int kBc = kTile.block_n;         // attention_tiles.cuh: fa_wgmma_bc
 constexpr int kStages = kFaWgmmaStages;
 constexpr int kQBytes = kBr * kH * 2;
 constexpr int kKVBytes = kBc * kH * 2;

@@ -12,7 +12,7 @@
 #error "attention_wgmma.cuh serves kernel 90"
 #endif
 
-#if FA_DTYPE == 1
+#if FA_DTYPE == FA_BF16
 #define FA_WG_T "bf16"
 #else
 #define FA_WG_T "f16"
