@@ -496,7 +496,7 @@ def plot(rows: list[dict], *, platform_name: str, title: str):
   color = {n: f"C{i}" for i, n in enumerate(names)}
   groups = sorted({(r["case"]["dtype"], r["case"]["H"], r["case"]["causal"]) for r in square})
   panel_rows = 2 if platform_name == "gpu" else 3
-  fig = Figure(figsize=(max(8.0, 4.6 * len(groups) + 0.6), 3.0 * panel_rows + 1.0),
+  fig = Figure(figsize=(max(8.0, 5.2 * len(groups) + 0.6), 3.0 * panel_rows + 1.0),
                layout="constrained")
   grid = fig.add_gridspec(panel_rows, len(groups), height_ratios=(3, 2, 2)[:panel_rows])
   lengths = sorted({r["case"]["S"] for r in square})

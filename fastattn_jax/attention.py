@@ -64,7 +64,7 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     implementation: None (the best path for the platform and inputs: "cpu"
       on CPUs; on NVIDIA GPUs the kernel of the compute capability, "cuda_sm70"
       (7.x below 7.5), "cuda_sm75" (7.5), "cuda_sm80" (8.0 and newer) or
-      "cuda_sm90" (9.0, when H rounded up to a multiple of 32 is one of 64),
+      "cuda_sm90" (9.0, when H rounded up to a multiple of 32 is a multiple of 64),
       for float16 and bfloat16 inputs with H <= 256, else "xla"), "xla" (plain
       JAX, materializes T x S), "cpu" (the fused CPU kernel), "cuda_sm70" /
       "cuda_sm75" / "cuda_sm80" / "cuda_sm90" (force one CUDA kernel:

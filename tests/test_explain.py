@@ -78,7 +78,8 @@ def test_the_lowering_logs_each_path_once(rng, caplog, monkeypatch):
   """The forward's path at INFO, once per process; a gradient that falls back
   to the blockwise reference under a fused forward at WARNING, naming why."""
   monkeypatch.setattr(backends, "_logged_paths", set())
-  q, k, v = tu.qkv(rng, 1, 40, 40, 2, 2, 32)
+  cpu = jax.devices("cpu")[0]  # the "cpu" path runs on the host, whatever the default device
+  q, k, v = (jax.device_put(x, cpu) for x in tu.qkv(rng, 1, 40, 40, 2, 2, 32))
   loss = lambda q: jnp.sum(fastattn_jax.fast_attention(q, k, v, implementation="cpu"))
   with caplog.at_level(logging.INFO, logger="fastattn_jax"):
     jax.jit(jax.grad(loss)).lower(q)
