@@ -43,7 +43,7 @@ Run::
 
 It prints a table and writes ``bench.json`` (the environment and every row)
 and ``bench.png`` (:func:`plot`: throughput and the ratio to the fastest
-competitor per dtype and head dim) to ``--out`` (default ``bench_results/``).
+competitor per dtype, head dim and causality) to ``--out`` (default ``bench_results/``).
 Progress goes to stderr.
 """
 
