@@ -65,10 +65,29 @@ std::string CacheKey(const KernelVariant& v, const std::string& target, const st
 }
 
 // Entry file: magic, then three (u64 length, bytes) fields: key, log, cubin,
-// then the FNV-1a hash of everything before it.
-bool ReadEntry(const std::filesystem::path& file, const std::string& key, CompiledKernel* out) {
+// then the FNV-1a hash of everything before it. Any entry that cannot be read
+// as one (missing, a directory, no permission, truncated, corrupt) is a miss:
+// the caller compiles in memory. Never throws (the FFI handlers call it).
+bool ReadEntryOrThrow(const std::filesystem::path& file, const std::string& key,
+                      CompiledKernel* out) {
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::status(file, ec);
+  if (ec || status.type() == std::filesystem::file_type::not_found) return false;  // plain miss
+  if (status.type() != std::filesystem::file_type::regular) {
+    std::fprintf(stderr,
+                 "fastattn_jax: warning: the kernel cache entry %s is not a regular file; "
+                 "compiling in memory\n",
+                 file.c_str());
+    return false;
+  }
   std::ifstream in(file, std::ios::binary);
-  if (!in) return false;
+  if (!in) {
+    std::fprintf(stderr,
+                 "fastattn_jax: warning: cannot read the kernel cache entry %s; compiling in "
+                 "memory\n",
+                 file.c_str());
+    return false;
+  }
   std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (data.size() < sizeof(kMagic) + 4 * 8 || std::memcmp(data.data(), kMagic, 8) != 0) {
     return false;
@@ -94,10 +113,29 @@ bool ReadEntry(const std::filesystem::path& file, const std::string& key, Compil
   return true;
 }
 
+bool ReadEntry(const std::filesystem::path& file, const std::string& key, CompiledKernel* out) {
+  try {
+    return ReadEntryOrThrow(file, key, out);
+  } catch (const std::exception& e) {  // e.g. std::ios_base::failure reading a directory
+    std::fprintf(stderr,
+                 "fastattn_jax: warning: cannot read the kernel cache entry %s (%s); compiling "
+                 "in memory\n",
+                 file.c_str(), e.what());
+  } catch (...) {
+    std::fprintf(stderr,
+                 "fastattn_jax: warning: cannot read the kernel cache entry %s; compiling in "
+                 "memory\n",
+                 file.c_str());
+  }
+  out->log.clear();
+  out->cubin.clear();
+  return false;
+}
+
 // Written to a unique temporary file, then renamed over the entry: readers
 // see the old entry, the new one or none, never a partial one.
-void WriteEntry(const std::filesystem::path& file, const std::string& key,
-                const CompiledKernel& k) {
+void WriteEntryOrThrow(const std::filesystem::path& file, const std::string& key,
+                       const CompiledKernel& k) {
   std::error_code ec;
   std::filesystem::create_directories(file.parent_path(), ec);
   static std::atomic<int> counter{0};
@@ -126,6 +164,21 @@ void WriteEntry(const std::filesystem::path& file, const std::string& key,
     std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s: %s\n",
                  file.c_str(), ec.message().c_str());
     std::filesystem::remove(tmp, ec);
+  }
+}
+
+// A failed write (unwritable folder, a directory at the entry's path, a full
+// disk) warns and leaves the cache as it was; it never throws.
+void WriteEntry(const std::filesystem::path& file, const std::string& key,
+                const CompiledKernel& k) {
+  try {
+    WriteEntryOrThrow(file, key, k);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s (%s)\n",
+                 file.c_str(), e.what());
+  } catch (...) {
+    std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s\n",
+                 file.c_str());
   }
 }
 
