@@ -146,7 +146,8 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   """How ``implementation`` serves a call (with ``backward``, its gradients,
   in a fixed summation order where ``config.deterministic``): the owner's
   ``CallPlan`` as a dict (variant key and fields, operand dtype code, row
-  elements, fold_heads).
+  elements, fold_heads). The forward's out is float32 where
+  ``config.float32_out`` (the variant's out_dtype), else in ``dtype``.
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
@@ -158,7 +159,8 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
-      config.end_aligned, left, right, backward, config.deterministic)
+      config.end_aligned, left, right, backward, config.deterministic,
+      DTYPE_CODES["float32"] if config.float32_out and not backward else -1)
 
 
 def describe_variant(plan_: dict) -> str:
@@ -192,14 +194,15 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
 
   q (B, T, N, H), k and v (B, S, K, H), converted to the plan's operand dtype
   when they are not in it; H not a multiple of 8 is zero-padded to one (16-byte
-  rows: the one case that copies the operands); the bias in float32. The
-  split-KV workspace is a third result, sized by the owner.
+  rows: the one case that copies the operands); the bias in float32. out is in
+  q's dtype, or float32 where ``config.float32_out`` (the kernel writes it so,
+  unrounded). The split-KV workspace is a third result, sized by the owner.
   """
   _configured()
   B, T, N, H = q.shape
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None)
-  out_dtype = q.dtype
+  out_dtype = jnp.dtype(_DTYPE_NAMES[p["out_dtype"]])
   q, k, v = _kernel_rows(p, q, k, v)
   workspace = launch(p, q.shape, k.shape)["workspace_floats"]
   out, lse, _ = kernel_call(TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
@@ -225,12 +228,14 @@ def _kernel_rows(p: dict, *xs):
 
 
 def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, mask, q_lens,
-                  kv_lens, out, lse, d_out, d_lse):
+                  kv_lens, d_out, lse, delta):
   """Runs the backward kernels ``implementation`` plans for the call; returns
   (dq, dk, dv) in q's, k's and v's shapes and dtypes.
 
-  D = rowsum(dO o O) - dLSE is reduced here, by XLA (B, T, N float32); q, k,
-  v and d_out go to the plan's operand dtype and rows as ``call`` sends them.
+  ``delta`` is D = rowsum(dO o O) - dLSE (B, T, N float32), reduced by the
+  caller (``backends.fused_backward_call``, from the float32 O of a
+  ``float32_out`` forward for 16-bit inputs); q, k, v and d_out go to the
+  plan's operand dtype and rows as ``call`` sends them.
   Kernel 90 adds dQ into float32 by atomics unless ``config.deterministic``
   (then a pass of its own); it is rounded to q's dtype here. No gradient for
   the bias (``fastattn_jax.attention`` takes it elsewhere).
@@ -240,7 +245,7 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None, backward=True)
   dtypes = (q.dtype, k.dtype, v.dtype)
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  delta = jnp.asarray(delta, jnp.float32)
   q, k, v, d_out = _kernel_rows(p, q, k, v, d_out)
   # dQ in float32 where the dK/dV kernel adds it by atomics (variant backward 2).
   dq_dtype = jnp.float32 if p["backward"] == 2 else dtypes[0]

@@ -141,8 +141,12 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   const int64_t G = c.N / c.K;
   const FaRules& r = c.rules;
   plan->row_elements = CeilDiv(c.H, kFaRowAlign) * kFaRowAlign;
+  if (c.out_dtype != -1 && (c.out_dtype < kFaF16 || c.out_dtype > kFaF32)) {
+    return "out_dtype must be float16, bfloat16 or float32, got code " +
+           std::to_string(c.out_dtype);
+  }
   KernelVariant& v = plan->variant;
-  v.out_dtype = c.dtype;
+  v.out_dtype = c.backward || c.out_dtype < 0 ? c.dtype : c.out_dtype;
   // Kernel `kernel` (forward or backward), on the operand dtype it multiplies in.
   auto on_kernel = [&](int kernel) {
     v.kernel_sm = kernel;

@@ -54,6 +54,11 @@ struct CallShape {
   FaRules rules{};
   bool backward = false;  // the gradients' kernels (attention_backward.cu)
   bool deterministic = false;  // backward: a fixed summation order (no atomics)
+  // Forward: the dtype of out (kFaF16, kFaBF16, kFaF32); -1: dtype's. The
+  // VJP's forward asks float32 for 16-bit inputs (AttentionConfig.float32_out),
+  // so that the backward's D = rowsum(dO o O) sees O unrounded. The backward's
+  // gradients are always in dtype.
+  int out_dtype = -1;
 };
 
 // How a kernel serves a call.
