@@ -14,7 +14,11 @@ what is missing.
 import os
 import re
 import shutil
+import signal
+import stat
+import struct
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -147,29 +151,176 @@ def test_build_refuses_a_library_with_an_undefined_symbol(tmp_path):
                      r" linked a library that does not load.*undefined symbol: fastattn_absent"):
     ascend._compile(compiler, ["-shared", "-fPIC"], {"ascend/attention_ascend.cpp": source},
                     str(folder / "lib.so"))
-  assert os.listdir(folder) == []
+  assert not folder.exists() or os.listdir(folder) == []
 
 
 @needs_sim
 def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch, caplog):
-  """A library in the cache that does not load (here not even an ELF file)
-  is built again in its place, not handed to the FFI handler."""
+  """A whole cache entry (its checksum right) whose library does not load
+  (here not even an ELF file) is built again in its place, not handed to
+  the FFI handler."""
   monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
   monkeypatch.setattr(ascend, "_built", {})
   p = ascend.plan((1, 16, 2, 32), (1, 16, 2, 32), jnp.float16)
-
-  def broken(compiler, flags, sources, path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      f.write("not an ELF file")
-
-  with monkeypatch.context() as m:
-    m.setattr(ascend, "_compile", broken)
-    path = ascend.library(SIM, p)
-  monkeypatch.setattr(ascend, "_built", {})
-  assert ascend.library(SIM, p) == path
+  entry = ascend.cache_entry(SIM, p)
+  os.makedirs(os.path.dirname(entry))
+  with open(entry, "wb") as f:
+    f.write(ascend._seal(b"not an ELF file"))
+  assert ascend._damage(entry) is None
+  assert ascend.library(SIM, p) == entry
   assert "the cached one does not load" in caplog.text
-  assert ascend._load_error(path) is None
+  assert ascend._damage(entry) is None and ascend._load_error(entry) is None
+
+
+# --- the kernel cache: damaged entries, unwritable folders ---------------------
+
+# Runs a call on the simulator (the kernel cache as the environment says)
+# and prints the largest difference from XLA's result: in a process of its
+# own, so that a library mapped past its end (SIGBUS) ends that process, not
+# pytest's.
+_RUN_FROM_CACHE = """import jax, jax.numpy as jnp
+jax.config.update("jax_platforms", "cpu")
+from fastattn_jax import fast_attention
+q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 2, 32), jnp.float16) for i in range(3))
+got = fast_attention(q, k, v, implementation="ascend_sim")
+want = fast_attention(q, k, v, implementation="xla")
+print(float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))))
+"""
+
+
+def _loaded_bytes(elf: bytes) -> int:
+  """How many leading bytes of a 64-bit little-endian ELF file its loadable
+  segments map (what follows, debug sections, is never mapped)."""
+  phoff, = struct.unpack_from("<Q", elf, 0x20)
+  phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
+  end = 0
+  for i in range(phnum):
+    p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", elf, phoff + i * phentsize)
+    if p_type == 1:  # PT_LOAD
+      end = max(end, p_offset + p_filesz)
+  return end
+
+
+def _good_library():
+  """A whole library of the ``_RUN_FROM_CACHE`` call's tile, from the user's
+  kernel cache (built there once): its path."""
+  return ascend.library(SIM, ascend.plan((1, 16, 2, 32), (1, 16, 2, 32), jnp.float16))
+
+
+@needs_sim
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_cached_library_is_built_again(tmp_path, damage):
+  """A cache entry cut short (a partial copy, a full disk, an interrupted
+  sync) inside what the loader maps, which it would map past its end, or
+  with one byte of its code changed, is detected before it is loaded and
+  built again: the call's results are right and the entry is whole after
+  it. In a process of its own: a regression dies of SIGBUS there, failing
+  this test, not the suite."""
+  good = _good_library()
+  entry = tmp_path / "ascend" / os.path.basename(good)
+  entry.parent.mkdir()
+  data = bytearray(open(good, "rb").read())
+  cut = _loaded_bytes(data) // 2
+  if damage == "truncated":
+    data = data[:cut]
+  else:
+    data[cut] ^= 0xFF
+  entry.write_bytes(bytes(data))
+  env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path), FASTATTN_PTO_ISA=ascend.pto_include())
+  done = subprocess.run([sys.executable, "-c", _RUN_FROM_CACHE], capture_output=True, text=True,
+                        env=env, timeout=600)
+  assert done.returncode == 0, (
+      f"the call ended with status {done.returncode}"
+      f"{' (' + signal.Signals(-done.returncode).name + ')' if done.returncode < 0 else ''}:\n"
+      f"{done.stderr[-3000:]}")
+  assert float(done.stdout.split()[-1]) <= tu.JAXNN_TOL["float16"]
+  assert "the cached one is damaged" in done.stderr
+  assert ascend._damage(str(entry)) is None
+  assert open(entry, "rb").read() != bytes(data)
+
+
+@pytest.fixture
+def reuse_build(monkeypatch):
+  """``ascend._build`` that hands back the user's cached library of the
+  ``_RUN_FROM_CACHE`` tile instead of compiling it (seconds); records its calls."""
+  path = _good_library()
+  assert ascend._damage(path) is None
+  good = open(path, "rb").read()
+  calls = []
+
+  def build(compiler, flags, sources):
+    calls.append(flags)
+    return good
+
+  monkeypatch.setattr(ascend, "_build", build)
+  monkeypatch.setattr(ascend, "_built", {})
+  monkeypatch.setattr(ascend, "_warned", set())
+  monkeypatch.setenv("FASTATTN_PTO_ISA", ascend.pto_include())
+  return calls
+
+
+def _check_runs(path):
+  """The library at ``path`` runs the ``_RUN_FROM_CACHE`` call right."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 2, 32), jnp.float16) for i in range(3))
+  operands, p = ascend.kernel_operands(q, k, v)
+  attrs = custom_calls.rule_attrs(AttentionConfig(scale=1 / np.sqrt(32)))
+  out, _ = jax.ffi.ffi_call(ascend.TARGETS[SIM], (
+      jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype),
+      jax.ShapeDtypeStruct((1, p["Tp"], 2), jnp.float32)))(*operands, **attrs, library=path)
+  want = fast_attention(q, k, v, implementation="xla")
+  assert tu.max_err(out[:, :16, :, :32], want) <= tu.JAXNN_TOL["float16"]
+
+
+@needs_sim
+@pytest.mark.parametrize("thing", ["directory", "fifo"])
+def test_something_else_at_the_entry_path_is_replaced(tmp_path, monkeypatch, reuse_build,
+                                                      caplog, thing):
+  """A directory (or a FIFO: reading it must not block) where the cache
+  entry belongs is a damaged entry: the library is built and written in
+  its place."""
+  monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+  p = ascend.plan((1, 16, 2, 32), (1, 16, 2, 32), jnp.float16)
+  entry = ascend.cache_entry(SIM, p)
+  os.makedirs(os.path.dirname(entry))
+  if thing == "directory":
+    os.makedirs(os.path.join(entry, "inside"))
+  else:
+    os.mkfifo(entry)
+  assert ascend.library(SIM, p) == entry
+  assert len(reuse_build) == 1 and "not a regular file" in caplog.text
+  assert stat.S_ISREG(os.lstat(entry).st_mode) and ascend._damage(entry) is None
+  _check_runs(entry)
+
+
+@needs_sim
+@pytest.mark.parametrize("how", ["under_a_file", "read_only"])
+def test_an_unwritable_cache_folder_warns_once_and_builds_privately(tmp_path, monkeypatch,
+                                                                    reuse_build, how):
+  """With a kernel cache folder that cannot be created (a path under a
+  file) or written (read-only), the library is built in a temporary folder
+  of the process, with one warning naming the folder and why."""
+  if how == "under_a_file":
+    (tmp_path / "file").write_text("")
+    root = tmp_path / "file" / "cache"
+  else:
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o500)
+    if os.access(root, os.W_OK):
+      pytest.skip("chmod does not stop this user writing (root)")
+  monkeypatch.setenv("FASTATTN_CACHE_DIR", str(root))
+  p = ascend.plan((1, 16, 2, 32), (1, 16, 2, 32), jnp.float16)
+  try:
+    with pytest.warns(RuntimeWarning, match=re.escape(f"kernel cache folder {root}")) as caught:
+      path = ascend.library(SIM, p)
+      monkeypatch.setattr(ascend, "_built", {})
+      assert ascend.library(SIM, p) == path  # the second time, no warning
+  finally:
+    root.chmod(0o700) if root.exists() else None
+  assert len([w for w in caught if "kernel cache folder" in str(w.message)]) == 1
+  assert path.startswith(ascend._private_dir()) and not path.startswith(str(root))
+  assert len(reuse_build) == 2
+  _check_runs(path)
 
 
 # --- the plan: tiles against the 910B's buffers -------------------------------

@@ -20,8 +20,11 @@ workspace come from one owner, ``csrc/ascend/ascend_plan.h``, asked through
 the extension (``plan``). Builds are kept in the kernel cache
 (``FASTATTN_CACHE_DIR``, shared with the CUDA kernels) under a key of the
 sources, the compiler and its flags, written atomically once a process of
-their own has loaded them (every symbol resolved); a cached one that does not
-load is built again.
+their own has loaded them (every symbol resolved), with their length and
+SHA-256 at their end; a cached one that is damaged (cut short, not a regular
+file) or does not load is built again. Where the cache folder cannot be
+written, a warning says so, once, and the libraries are built in a temporary
+folder of the process.
 
 Environment:
   FASTATTN_PTO_ISA  the PTO-ISA ``include`` folder (default: the one
@@ -32,16 +35,20 @@ Environment:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 import zipfile
 
 import jax
@@ -128,18 +135,27 @@ def fetch_pto() -> str:
   dest = _fetched_pto()
   if os.path.isfile(os.path.join(dest, "pto", "pto-inst.hpp")):
     return dest
-  with tempfile.TemporaryDirectory() as tmp:
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "--python-version", "3.11", "--platform",
-                    "manylinux2014_aarch64", PTO_WHEEL, "-d", tmp], check=True)
-    wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    staging = tempfile.mkdtemp(dir=os.path.dirname(dest))  # same file system: atomic rename
-    with zipfile.ZipFile(wheel) as z:
-      for name in z.namelist():
-        if name.startswith(_PTO_IN_WHEEL) and not name.endswith("/"):
-          z.extract(name, staging)
-    os.replace(os.path.join(staging, _PTO_IN_WHEEL), dest)
+  parent = os.path.dirname(dest)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent)  # same file system: atomic rename
+  except OSError as err:
+    raise RuntimeError(
+        f"cannot write the PTO-ISA headers into {parent} ({err.strerror or err}): set "
+        f"FASTATTN_CACHE_DIR to a writable folder, or FASTATTN_PTO_ISA to a pto-isa/include "
+        f"folder") from err
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                      "--only-binary=:all:", "--python-version", "3.11", "--platform",
+                      "manylinux2014_aarch64", PTO_WHEEL, "-d", tmp], check=True)
+      wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
+      with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+          if name.startswith(_PTO_IN_WHEEL) and not name.endswith("/"):
+            z.extract(name, staging)
+      os.replace(os.path.join(staging, _PTO_IN_WHEEL), dest)
+  finally:
     shutil.rmtree(staging, ignore_errors=True)
   return dest
 
@@ -234,46 +250,124 @@ def _sources() -> tuple[dict, str]:
 
 
 # --- building --------------------------------------------------------------------
+#
+# A cache entry is the library followed by a trailer: a magic string, the
+# library's length (8 bytes, little-endian) and its SHA-256. The entry is
+# verified before anything maps it (a file cut short, by a partial copy, a
+# full disk or an interrupted sync, would otherwise be mapped past its end
+# and kill the process with SIGBUS on first use); a damaged one, or anything
+# but a regular file at the entry's path, is built again. The loader ignores
+# bytes past the last segment, so the entry loads as it is.
+
+_MAGIC = b"fastattn_jax ascend library v1\0\0"  # 32 bytes
+_TRAILER = len(_MAGIC) + 8 + 32
+#: Larger cache entries are taken for damaged rather than read.
+_MAX_ENTRY_BYTES = 1 << 30
 
 _built: dict[str, str] = {}  # key -> library path, this process
+_handles: dict[str, ctypes.CDLL] = {}  # library path -> the loaded library, this process
+_warned: set[str] = set()  # cache folders already warned about, this process
 _lock = threading.Lock()
 
 
 def library(implementation: str, plan_: dict) -> str:
   """The path of ``implementation``'s kernel library for ``plan_``'s tile,
-  built at first use (seconds) and kept in the kernel cache.
+  built at first use (seconds), kept in the kernel cache and loaded in this
+  process (so what runs the kernel later is the library checked here,
+  whatever becomes of the file).
+
+  A cached library is used only whole (its checksum verified) and loadable;
+  otherwise it is built again, in its place. Where the cache folder cannot
+  be written (read-only, missing, full), a warning names it and why, once
+  per folder, and the library is built in a temporary folder of this
+  process instead.
 
   Raises:
     Unavailable: the toolchain is missing.
     RuntimeError: the compiler failed (its output in the message), or the
       library it linked does not load in a process of its own (an undefined
-      symbol: the message names it); such a library is not cached.
+      symbol: the message names it); such a library is not cached. Or
+      neither the cache nor the temporary folder can be written.
   """
-  compiler, flags, version = _toolchain(implementation)
-  tile = [f"-DFA_BR={plan_['Br']}", f"-DFA_BC={plan_['Bc']}", f"-DFA_BB={plan_['Bb']}",
-          f"-DFA_HP={plan_['Hp']}", f"-DFA_DTYPE={plan_['dtype']}"]
-  sources, sources_digest = _sources()
-  digest = hashlib.sha256(repr((sources_digest, compiler[-1], version, flags,
-                                tile)).encode()).hexdigest()[:24]
+  compiler, flags, _ = _toolchain(implementation)
+  tile = _tile_flags(plan_)
+  digest = _digest(implementation, plan_)
+  name = f"{implementation}-{digest}.so"
   with _lock:
     if digest in _built:
       return _built[digest]
-    root = cuda.cache_dir() or tempfile.mkdtemp(prefix="fastattn_ascend_")
-    path = os.path.join(root, "ascend", f"{implementation}-{digest}.so")
-    if not (os.path.isfile(path) and _loads_here(path)):
-      _compile(compiler, flags + tile, sources, path)
+    root = cuda.cache_dir()
+    entry = os.path.join(root, "ascend", name) if root else None
+    if entry:
+      why = _damage(entry) or _load_here(entry)
+      if why is None:
+        _built[digest] = entry
+        return entry
+      if why != "missing":
+        logger.warning("fastattn_jax: building %s again: the cached one %s", entry, why)
+    data = _build(compiler, flags + tile, _sources()[0])
+    path = None
+    if entry:
+      try:
+        _write(data, entry)
+        path = entry
+      except OSError as err:
+        _warn_unwritable(os.path.dirname(entry), err)
+    if path is None:
+      path = os.path.join(_private_dir(), name)
+      try:
+        _write(data, path)
+      except OSError as err:
+        raise RuntimeError(f"cannot write the Ascend kernel library {path}: "
+                           f"{err.strerror or err}") from err
+    if why := _load_here(path):
+      raise RuntimeError(f"the Ascend kernel library {path}, just built, {why}")
     _built[digest] = path
     return path
 
 
+def cache_entry(implementation: str, plan_: dict) -> str | None:
+  """Where the kernel cache keeps ``implementation``'s library for
+  ``plan_``'s tile (None: the disk cache is off); it may not exist yet."""
+  root = cuda.cache_dir()
+  if not root:
+    return None
+  return os.path.join(root, "ascend", f"{implementation}-{_digest(implementation, plan_)}.so")
+
+
+def _tile_flags(plan_: dict) -> list[str]:
+  return [f"-DFA_BR={plan_['Br']}", f"-DFA_BC={plan_['Bc']}", f"-DFA_BB={plan_['Bb']}",
+          f"-DFA_HP={plan_['Hp']}", f"-DFA_DTYPE={plan_['dtype']}"]
+
+
+def _digest(implementation: str, plan_: dict) -> str:
+  """The cache key of a build: the sources, the compiler, its flags, the
+  tile, and the entry format (entries of an older one are not looked up)."""
+  compiler, flags, version = _toolchain(implementation)
+  return hashlib.sha256(repr((_sources()[1], compiler[-1], version, flags, _tile_flags(plan_),
+                              _MAGIC)).encode()).hexdigest()[:24]
+
+
 def _compile(compiler, flags, sources, path):
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with tempfile.TemporaryDirectory() as tmp:
+  """Builds the library of ``sources`` into ``path`` (a cache entry: see
+  ``_build``; written atomically)."""
+  _write(_build(compiler, flags, sources), path)
+
+
+def _build(compiler, flags, sources) -> bytes:
+  """The library ``compiler`` builds from ``sources`` with ``flags``, as a
+  cache entry (the library and its trailer), once a process of its own has
+  loaded it. Built in a temporary folder: nothing is written elsewhere.
+
+  Raises:
+    RuntimeError: the compiler failed, or its library does not load.
+  """
+  with tempfile.TemporaryDirectory(prefix="fastattn_ascend_build_") as tmp:
     for name, text in sources.items():
       os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
       with open(os.path.join(tmp, name), "w") as f:
         f.write(text)
-    out = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    out = os.path.join(tmp, "library.so")
     cmd = [*compiler, *(f.format(sources=tmp) for f in flags), f"-I{tmp}",
            os.path.join(tmp, "ascend", "attention_ascend.cpp"), "-o", out]
     logger.info("fastattn_jax: building the Ascend kernel: %s", " ".join(cmd))
@@ -282,10 +376,108 @@ def _compile(compiler, flags, sources, path):
       raise RuntimeError(f"building the Ascend kernel failed ({' '.join(cmd)}):\n"
                          f"{done.stderr[-4000:]}")
     if why := _load_error(out):
-      os.remove(out)
-      raise RuntimeError(f"building the Ascend kernel {path}: {' '.join(compiler)} linked a "
+      raise RuntimeError(f"building the Ascend kernel: {' '.join(compiler)} linked a "
                          f"library that does not load, so it is not cached: {why}")
-    os.replace(out, path)  # atomic: readers see no file or a whole one
+    with open(out, "rb") as f:
+      return _seal(f.read())
+
+
+def _seal(library_bytes: bytes) -> bytes:
+  """``library_bytes`` as a cache entry: followed by the trailer."""
+  return (library_bytes + _MAGIC + len(library_bytes).to_bytes(8, "little") +
+          hashlib.sha256(library_bytes).digest())
+
+
+def _damage(path: str) -> str | None:
+  """What is wrong with the cache entry at ``path`` ("missing", or "is
+  damaged: " and why: not a regular file, cut short...), or None if it is
+  whole. Reads it without
+  mapping it, and without blocking on a FIFO."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+  except (FileNotFoundError, NotADirectoryError):  # no file, or no folder (a file in the way)
+    return "missing"
+  except OSError as err:  # a loop of links, no permission...
+    return f"is damaged: it cannot be read ({err.strerror or err})"
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      return "is damaged: not a regular file"
+    if st.st_size < _TRAILER:
+      return f"is damaged: cut short ({st.st_size} bytes)"
+    if st.st_size > _MAX_ENTRY_BYTES:
+      return f"is damaged: {st.st_size} bytes, more than a library"
+    with os.fdopen(os.dup(fd), "rb") as f:
+      f.seek(st.st_size - _TRAILER)
+      trailer = f.read(_TRAILER)
+      if len(trailer) != _TRAILER or not trailer.startswith(_MAGIC):
+        return "is damaged: cut short (no checksum at its end)"
+      size = int.from_bytes(trailer[len(_MAGIC):len(_MAGIC) + 8], "little")
+      if size != st.st_size - _TRAILER:
+        return f"is damaged: cut short ({st.st_size - _TRAILER} of {size} bytes)"
+      f.seek(0)
+      h = hashlib.sha256()
+      left = size
+      while left:
+        chunk = f.read(min(left, 1 << 20))
+        if not chunk:
+          return f"is damaged: cut short while read ({size - left} of {size} bytes)"
+        h.update(chunk)
+        left -= len(chunk)
+      if h.digest() != trailer[-32:]:
+        return "is damaged: its checksum does not match"
+  except OSError as err:
+    return f"is damaged: it cannot be read ({err.strerror or err})"
+  finally:
+    os.close(fd)
+  return None
+
+
+def _write(data: bytes, path: str) -> None:
+  """Writes ``data`` to ``path`` atomically: to a temporary file beside it,
+  synced, then renamed over it (readers see the old file, the new one or
+  none, never a partial one); a directory in the way is removed first.
+
+  Raises:
+    OSError: the folder cannot be created or written (the message names it).
+  """
+  folder = os.path.dirname(path)
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def _warn_unwritable(folder: str, err: OSError) -> None:
+  """Warns, once per folder, that the kernel cache cannot be written."""
+  if folder in _warned:
+    return
+  _warned.add(folder)
+  warnings.warn(
+      f"fastattn_jax: cannot write the kernel cache folder {folder} "
+      f"({err.strerror or err}{': ' + str(err.filename) if err.filename else ''}); "
+      f"building the Ascend kernel in {_private_dir()} instead, for this process only "
+      f"(set FASTATTN_CACHE_DIR to a writable folder to keep it)", RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def _private_dir() -> str:
+  """A temporary folder of this process, removed at its exit: the libraries
+  built when the kernel cache is off or cannot be written."""
+  path = tempfile.mkdtemp(prefix="fastattn_ascend_")
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  return path
 
 
 # Loads a library as the FFI handlers do (dlopen with RTLD_NOW), in an
@@ -310,15 +502,18 @@ def _load_error(path: str) -> str | None:
   return done.stderr.strip() or f"the loading process ended with status {done.returncode}"
 
 
-def _loads_here(path: str) -> bool:
-  """Whether the cached library at ``path`` loads in this process (as the FFI
-  handler will load it); one that does not is logged, to be built again."""
+def _load_here(path: str) -> str | None:
+  """Loads the library at ``path`` (whole: see ``_damage``) into this
+  process, as the FFI handler will load it, and keeps it loaded: the
+  handler's dlopen of the same path then finds it loaded and reads nothing
+  more from the disk. Returns why it does not load, or None."""
+  if path in _handles:
+    return None
   try:
-    ctypes.CDLL(path, os.RTLD_NOW)
+    _handles[path] = ctypes.CDLL(path, os.RTLD_NOW)
   except OSError as err:
-    logger.warning("fastattn_jax: building %s again: the cached one does not load (%s)", path, err)
-    return False
-  return True
+    return f"does not load ({err})"
+  return None
 
 
 # --- the custom call -------------------------------------------------------------

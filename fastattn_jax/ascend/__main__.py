@@ -1,6 +1,7 @@
 """``python -m fastattn_jax.ascend fetch|check``: the Ascend toolchain."""
 
 import argparse
+import subprocess
 import sys
 
 from fastattn_jax import ascend
@@ -13,7 +14,11 @@ def main(argv=None) -> int:
   parser.add_argument("command", choices=("fetch", "check"))
   args = parser.parse_args(argv)
   if args.command == "fetch":
-    print(ascend.fetch_pto())
+    try:
+      print(ascend.fetch_pto())
+    except (RuntimeError, subprocess.CalledProcessError) as err:
+      print(f"python -m fastattn_jax.ascend fetch: {err}", file=sys.stderr)
+      return 1
     return 0
   for name in ascend.IMPLEMENTATIONS:
     print(f"{name}: {ascend.unavailable(name) or 'available'}")
