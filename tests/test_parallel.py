@@ -269,3 +269,23 @@ def test_generate_cli_tensor_parallel(capsys):
   assert "--tensor-parallel applies only with --model" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="num_heads=9 does not split over the 2 devices"):
     generate.main(argv + ["--tensor-parallel", "2"])
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_block_on_a_mesh_of_auto_axes(P, rng):
+  """``jax.sharding.Mesh(devices, names)`` (Auto axes, the constructor's
+  default) serves as ``jax.make_mesh``'s Explicit axes do, eagerly and under jit."""
+  if len(jax.devices()) < P:
+    pytest.skip(f"needs {P} devices, have {len(jax.devices())}")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:P]), ("model",))
+  assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
+  K, T = 2, 40
+  tp = parallel.TensorParallel(mesh, "model", N, K, H)
+  x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  w = _weights(rng, K)
+  ref = _reference64(x, w, K, is_causal=True)
+  with jax.default_matmul_precision("highest"):
+    for block in (functools.partial(parallel.attention_block, tp=tp, implementation=tu.IMPL,
+                                    is_causal=True), _block(tp, is_causal=True)):
+      out, _, _ = block(x, parallel.shard_attention_weights(tp, **w))
+      np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=OUT_ATOL, rtol=1e-5)

@@ -230,8 +230,7 @@ def attention_block(x, weights, tp: TensorParallel, *, positions=None,
   causal = is_causal or cache is not None
   bounds = _bounds(x, tp, schedule, num_tiles, rates, causal, keys_before)
   # Placed as the specs say (explicit meshes do not reshard at shard_map's door).
-  args = jax.tree.map(lambda a, spec: jax.sharding.reshard(a, tp.sharding(*spec)), args, specs,
-                      is_leaf=lambda x: isinstance(x, P))
+  args = jax.tree.map(tp.place, args, specs, is_leaf=lambda x: isinstance(x, P))
   body = jax.shard_map(
       lambda a: _local_block(a, tp=tp, bounds=bounds, rotary=rotary, causal=causal,
                              scale=scale, reduce=reduce, implementation=implementation),

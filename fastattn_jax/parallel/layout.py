@@ -87,6 +87,15 @@ class TensorParallel:
     """A ``NamedSharding`` of this mesh; ``spec`` names ``axis`` or None per dimension."""
     return NamedSharding(self.mesh, P(*spec))
 
+  def place(self, x, spec: P):
+    """``x`` laid out as ``spec`` on this mesh: ``jax.sharding.reshard`` where
+    the axis is Explicit (``jax.make_mesh``'s default), a sharding constraint
+    where it is Auto (``jax.sharding.Mesh``'s) or Manual."""
+    types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+    if types[self.axis] == jax.sharding.AxisType.Explicit:
+      return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
   @property
   def heads_spec(self) -> P:
     """Spec of (B, T|S, heads, H) arrays split by heads: queries, keys, values, caches."""
