@@ -85,10 +85,14 @@ def test_cache_folder_that_is_a_file(tmp_path, monkeypatch, capfd):
   folder.write_text("a file where the cache folder should be")
   monkeypatch.setenv("FASTATTN_CACHE_DIR", str(folder))
   cuda.configure()
+  other = _ffi.cuda_variant_key(75, 64, DTYPE_CODES["float16"], DTYPE_CODES["float16"], False,
+                                 0)
   try:
-    r = cuda.compile_variant(KEY, CC)
-    assert not r["from_cache"] and r["cubin_bytes"] > 0
-    assert "cannot write the kernel cache entry" in capfd.readouterr().err
+    for key in (KEY, other):
+      r = cuda.compile_variant(key, CC)
+      assert not r["from_cache"] and r["cubin_bytes"] > 0
+    # Once per folder, as the Ascend cache warns: the second kernel adds nothing.
+    assert capfd.readouterr().err.count("cannot write the kernel cache entry") == 1
   finally:
     monkeypatch.undo()
     cuda.configure()

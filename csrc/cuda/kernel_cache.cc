@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -132,6 +133,23 @@ bool ReadEntry(const std::filesystem::path& file, const std::string& key, Compil
   return false;
 }
 
+// A failed write is reported once per folder and process, naming the entry
+// and why, as the Ascend cache does (fastattn_jax/ascend): later kernels of
+// the same run compile in memory as well, and would repeat the same words.
+void WarnUnwritable(const std::filesystem::path& file, const std::string& why) {
+  static std::mutex mu;
+  static std::set<std::string> warned;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!warned.insert(file.parent_path().string()).second) return;
+  }
+  std::fprintf(stderr,
+               "fastattn_jax: warning: cannot write the kernel cache entry %s%s%s; kernels "
+               "compile in memory for this process (set FASTATTN_CACHE_DIR to a writable "
+               "folder to keep them)\n",
+               file.c_str(), why.empty() ? "" : ": ", why.c_str());
+}
+
 // Written to a unique temporary file, then renamed over the entry: readers
 // see the old entry, the new one or none, never a partial one.
 void WriteEntryOrThrow(const std::filesystem::path& file, const std::string& key,
@@ -152,8 +170,7 @@ void WriteEntryOrThrow(const std::filesystem::path& file, const std::string& key
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out.write(body.data(), body.size()) || !out.flush()) {
-      std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s\n",
-                   tmp.c_str());
+      WarnUnwritable(tmp, ec ? ec.message() : "");
       out.close();
       std::filesystem::remove(tmp, ec);
       return;
@@ -161,8 +178,7 @@ void WriteEntryOrThrow(const std::filesystem::path& file, const std::string& key
   }
   std::filesystem::rename(tmp, file, ec);
   if (ec) {
-    std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s: %s\n",
-                 file.c_str(), ec.message().c_str());
+    WarnUnwritable(file, ec.message());
     std::filesystem::remove(tmp, ec);
   }
 }
@@ -174,11 +190,9 @@ void WriteEntry(const std::filesystem::path& file, const std::string& key,
   try {
     WriteEntryOrThrow(file, key, k);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s (%s)\n",
-                 file.c_str(), e.what());
+    WarnUnwritable(file, e.what());
   } catch (...) {
-    std::fprintf(stderr, "fastattn_jax: warning: cannot write the kernel cache entry %s\n",
-                 file.c_str());
+    WarnUnwritable(file, "");
   }
 }
 
