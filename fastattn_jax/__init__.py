@@ -9,9 +9,11 @@ host memory, ``fastattn_jax.parallel`` splits attention heads over devices,
 """
 
 from fastattn_jax.attention import Explanation, explain, fast_attention
-from fastattn_jax.backends import build_info, implementations, resolve_implementation
+from fastattn_jax.backends import (build_info, export_disabled_checks, implementations,
+                                   resolve_implementation)
 from fastattn_jax.decode import KVCache, decode_attention
 
 __all__ = ["Explanation", "KVCache", "build_info", "decode_attention", "explain",
-           "fast_attention", "implementations", "resolve_implementation"]
+           "export_disabled_checks", "fast_attention", "implementations",
+           "resolve_implementation"]
 __version__ = "0.1.0"

@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.custom_derivatives import SymbolicZero
-
 from fastattn_jax import backends, primitive, shapes
 from fastattn_jax.reference import attention_reference
 from fastattn_jax.shapes import AttentionConfig
@@ -49,16 +47,18 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     bias: optional additive bias, any floating dtype, broadcastable to
       (B, N, T, S) (missing leading dims are added, as in jax.nn).
     mask: optional bool array broadcastable to (B, N, T, S); True = attend.
-    scale: static float multiplying ``Q K^T``; default ``1 / sqrt(H)``.
-    is_causal: key j is visible to query i only if ``j <= i``.
-    query_seq_lengths: optional (B,) integer array: rows ``i >= length`` are
-      padding and return zeros.
-    key_value_seq_lengths: optional (B,) integer array: keys ``j >= length``
-      are never read.
+    scale: static float multiplying ``Q K^T``; default ``1 / sqrt(H)``; zero
+      or of magnitude within float32's normal range.
+    is_causal: static bool: key j is visible to query i only if ``j <= i``.
+    query_seq_lengths: optional (B,) integer array in [0, T]: rows ``i >=
+      length`` are padding and return zeros.
+    key_value_seq_lengths: optional (B,) integer array in [0, S]: keys ``j >=
+      length`` are never read. Concrete lengths outside their range raise;
+      traced ones (under jit) are clamped to it.
     local_window_size: ``w`` or ``(left, right)``, static ints >= 0: key j is
       visible to query i only if ``i - left <= j <= i + right``.
-    logits_soft_cap: optional static float c > 0, applied to the scaled
-      logits before the bias and the masks.
+    logits_soft_cap: optional static float c > 0 within float32's normal
+      range, applied to the scaled logits before the bias and the masks.
     return_residual: also return the log-sum-exp of the visible logits,
       under ``stop_gradient`` as jax.nn returns it: no gradient flows from it.
     implementation: None (the best path for the platform and inputs: "cpu"
@@ -79,7 +79,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       for the GPU at hand and cached on disk (``fastattn_jax.cuda``).
       A NaN in a value row reaches, on the CUDA and xla paths, the rows that
       share its key tile (0 * NaN inside the product), not only the rows that
-      see it.
+      see it. A non-finite key reaches only the rows that see it, forward and
+      gradients: the others' dQ stays what it is without that key.
     deterministic: static bool; the backward then sums every gradient in a
       fixed order, so two runs give the same bits. Only the "cuda_sm90"
       backward up to H = 128 depends on it: by default its dK/dV kernel also
@@ -97,13 +98,15 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
 
   Raises:
     ValueError: on shapes that do not fit (named with their shapes), negative
-      window sizes, non-positive soft caps, an unknown implementation or one
-      that cannot run on the current platform or GPU, or H > 256 on a CUDA
-      path.
+      window sizes, non-positive soft caps, a scale or soft cap that float32
+      does not represent, concrete sequence lengths out of range, an unknown
+      implementation or one that cannot run on the current platform or GPU,
+      or H > 256 on a CUDA path.
     RuntimeError: (at the first run on a GPU) when no NVRTC can compile the
       kernel; the message says what to install.
     TypeError: on dtypes that do not fit, or traced values where static ones
-      are needed (scale, local_window_size, logits_soft_cap, deterministic).
+      are needed (scale, is_causal, local_window_size, logits_soft_cap,
+      deterministic).
 
   Differentiable (``jax.grad``). The "cpu" path has a fused backward
   (FlashAttention-2's, Dao 2023, Algorithm 2: from the saved out and LSE it
@@ -121,8 +124,15 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
   each block's softmax recomputed in the inputs' precision, XLA's matrix
   products, at most 2^25 logits at a time). A differentiated bias gets its
   gradient (dS summed over its broadcast dims) from the reference math on
-  every path, computed only when the bias is differentiated. Works under
-  jit, vmap, scan, checkpoint and with inputs sharded along batch or heads.
+  every path (under jit XLA drops it when the bias is not differentiated;
+  eager ``jax.grad`` computes it whenever a bias is given). For float16 and
+  bfloat16 inputs the forward under differentiation writes out in float32
+  (2 more bytes per output element kept for the backward), from which
+  FlashAttention-2's D = rowsum(dO o O) is taken: from the rounded out, D's
+  error times the scale would dominate dS once the logits are not small.
+  Works under jit, vmap, scan, checkpoint, ``jax.disable_jit``,
+  ``jax.export`` (``export_disabled_checks``; symbolic batch dims too),
+  inside ``shard_map`` and with inputs sharded along batch or heads.
   """
   config, operands = _prepare(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -155,23 +165,20 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
   dims = shapes.check_qkv(q, k, v)
   bias = _broadcast_operand("bias", bias, dims)
   mask = _broadcast_operand("mask", mask, dims)
-  q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims.B)
-  kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims.B)
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError("deterministic must be a static Python bool, got "
-                    f"{type(deterministic).__name__}")
+  q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims.B, dims.T)
+  kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims.B, dims.S)
   config = AttentionConfig(
-      scale=(1.0 / np.sqrt(dims.H) if scale is None
+      scale=(shapes.default_scale(dims.H) if scale is None
              else shapes.static_float("scale", scale)),
-      is_causal=bool(is_causal),
+      is_causal=shapes.static_bool("is_causal", is_causal),
       window=shapes.normalize_window(local_window_size),
       softcap=(None if logits_soft_cap is None else
                shapes.static_float("logits_soft_cap", logits_soft_cap,
-                                   positive=True)),
+                                   positive=True, max_value=shapes.MAX_SOFTCAP)),
       has_bias=bias is not None, has_mask=mask is not None,
       has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
       implementation=requested_implementation(implementation, q.dtype),
-      deterministic=bool(deterministic))
+      deterministic=shapes.static_bool("deterministic", deterministic))
   return config, (q, k, v, bias, mask, q_lens, kv_lens)
 
 
@@ -195,11 +202,16 @@ def _broadcast_operand(name, x, dims):
   return x
 
 
-def seq_lengths(name, lengths, B: int):
+def seq_lengths(name, lengths, B, limit=None):
   """``lengths`` as a (B,) int32 array (None stays None).
 
+  Concrete values must lie in [0, ``limit``] (the sequence's length, T or
+  S); traced ones (under jit) cannot be checked at trace time, and the
+  kernels clamp them to that range.
+
   Raises:
-    TypeError: not an integer dtype. ValueError: not of shape (B,).
+    TypeError: not an integer dtype. ValueError: not of shape (B,), or
+      concrete values outside [0, limit].
   """
   if lengths is None:
     return None
@@ -208,6 +220,10 @@ def seq_lengths(name, lengths, B: int):
     raise TypeError(f"{name} must be an integer array of shape (B,), got {lengths.dtype}")
   lengths = lengths.astype(jnp.int32)
   shapes.check_seq_lengths(name, lengths, B)
+  if limit is not None and not isinstance(lengths, jax.core.Tracer):
+    values = np.asarray(lengths)
+    if values.size and (values.min() < 0 or values.max() > limit):
+      raise ValueError(f"{name} must lie in [0, {limit}], got {values.tolist()}")
   return lengths
 
 
@@ -237,20 +253,26 @@ def _fused(config, q, k, v, bias, mask, q_lens, kv_lens):
   return primitive.bind(config, *operands)
 
 
-def _fused_fwd(config, *primals):
-  """Keeps the operands, out and lse (FlashAttention-2's residuals), and whether
-  the bias is differentiated (as the residuals' structure: () if so, else None)."""
-  args = tuple(None if x is None else x.value for x in primals)
-  out, lse = _fused(config, *args)
-  bias = primals[3]
-  return (out, lse), (args, out, lse, () if bias is not None and bias.perturbed else None)
+def _fused_fwd(config, q, k, v, bias, mask, q_lens, kv_lens):
+  """FlashAttention-2's residuals: the operands, out and lse. For 16-bit
+  inputs the kernel writes out in float32 (``AttentionConfig.float32_out``):
+  the primal is rounded from it and the backward's D reduced from it."""
+  if q.dtype == jnp.float64 or q.dtype == jnp.float32:
+    out, lse = _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
+    return (out, lse), ((q, k, v, bias, mask, q_lens, kv_lens), out, lse)
+  operands = [x for x in (q, k, v, bias, mask, q_lens, kv_lens) if x is not None]
+  out32, lse = primitive.bind(dataclasses.replace(config, float32_out=True), *operands)
+  return ((out32.astype(q.dtype), lse),
+          ((q, k, v, bias, mask, q_lens, kv_lens), out32, lse))
 
 
 def _fused_bwd(config, residuals, cotangents):
-  args, out, lse, bias_wanted = residuals
+  """dq, dk, dv from the path's backward; the bias's gradient (dS summed over
+  its broadcast dims) from the reference math, which materializes B x N x T x
+  S: under jit, XLA drops it where the bias is not differentiated."""
+  args, out, lse = residuals
   q, k, v, bias, mask, q_lens, kv_lens = args
-  d_out, d_lse = (jnp.zeros_like(primal) if isinstance(ct, SymbolicZero) else ct
-                  for ct, primal in zip(cotangents, (out, lse)))
+  d_out, d_lse = cotangents
   if q.dtype == jnp.float64:
     forward = lambda q, k, v, bias: attention_reference(
         config, q, k, v, bias, mask, q_lens, kv_lens)
@@ -260,16 +282,14 @@ def _fused_bwd(config, residuals, cotangents):
   dq, dk, dv = primitive.bind_backward(config, *operands, out, lse, d_out,
                                        d_lse.astype(jnp.float32))
   d_bias = None
-  if bias_wanted is not None:
-    # dBias = dS summed over the bias's broadcast dims: from the reference math (it materializes
-    # B x N x T x S), only when the bias is differentiated.
+  if bias is not None:
     forward = lambda bias: attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
     _, vjp = jax.vjp(forward, bias)
     (d_bias,) = vjp((d_out, d_lse.astype(lse.dtype)))
   return dq, dk, dv, d_bias, None, None, None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,7 @@ def default_path(platform: str, dtype=None, head_dim: int | None = None) -> tupl
     if head_dim is not None and head_dim > cuda.MAX_HEAD_DIM:
       return "xla", (f"head dim H={head_dim} is above {cuda.MAX_HEAD_DIM}, the largest the "
                      f"CUDA kernels take")
-    cc = cuda.compute_capability()
+    cc = _local_compute_capability()
     path = cuda.default_implementation(cc, head_dim)
     return path, f"the kernel for compute capability {cc // 10}.{cc % 10}" + (
         "" if head_dim is None else f" at head dim H={head_dim}")
@@ -162,7 +162,7 @@ def choose_forward(implementation: str | None, platform: str, dtype=None,
         f"{FUSED_PATHS[implementation]!r}, but the computation targets "
         f"{platform!r}; use implementation=None to pick a path per platform")
   if implementation in cuda.IMPLEMENTATIONS:
-    cc = cuda.compute_capability()
+    cc = _local_compute_capability()
     if not cuda.runs_on(implementation, cc):
       kernel = cuda.IMPLEMENTATIONS[implementation]
       needed = "exactly 9.0" if kernel == 90 else f"{kernel // 10}.{kernel % 10} or newer"
@@ -174,6 +174,46 @@ def choose_forward(implementation: str | None, platform: str, dtype=None,
           f"implementation={implementation!r} supports head dims up to "
           f"{cuda.MAX_HEAD_DIM}, got H={head_dim}; use implementation=None or 'xla'")
   return implementation, "requested by implementation="
+
+
+def _local_compute_capability() -> int:
+  """The compute capability of this process's first CUDA GPU, which the
+  CUDA paths are planned for (kernel, tile, split-KV launch).
+
+  Raises:
+    ValueError: no CUDA GPU here (e.g. ``jax.export`` for "cuda" on a machine
+      without one), saying what to do instead.
+  """
+  try:
+    return cuda.compute_capability()
+  except RuntimeError as err:
+    raise ValueError(
+        "fast_attention on platform 'cuda' needs a CUDA GPU in this process: the CUDA "
+        "kernels are chosen and planned for the GPU at hand (compute capability, "
+        "multiprocessor count), and this process has none. To jax.export for GPUs, export "
+        "on a machine with the target GPU, or pass implementation='xla' or 'cudnn'") from err
+
+
+def export_disabled_checks() -> list:
+  """The ``disabled_checks`` for ``jax.export.export`` of a function that
+  calls ``fast_attention`` or ``decode_attention``::
+
+    exported = jax.export.export(
+        jax.jit(model), disabled_checks=fastattn_jax.export_disabled_checks())(*args)
+
+  JAX refuses by default to serialize custom calls it does not know to be
+  stable; these are this package's FFI targets, one
+  ``jax.export.DisabledSafetyCheck.custom_call`` each. The exported
+  artifact calls them by name: the process that deserializes and runs it
+  must ``import fastattn_jax`` (which registers them), of the same version,
+  since their attributes carry no compatibility guarantee across versions.
+  A CUDA artifact is planned for the exporting machine's GPU.
+
+  Returns:
+    A list of ``jax.export.DisabledSafetyCheck``.
+  """
+  return [jax.export.DisabledSafetyCheck.custom_call(name)
+          for targets in _ffi.registrations().values() for name in targets]
 
 
 #: The gradient of a fused path that has no backward kernel for a call:
@@ -218,13 +258,16 @@ def log_path_once(direction: str, implementation: str, platform: str, reason: st
 
 def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
                q_lens=None, kv_lens=None):
-  """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out, lse)."""
+  """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out,
+  lse): out in q's dtype, or float32 where ``config.float32_out``."""
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
   if implementation in ascend.IMPLEMENTATIONS:
-    return ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
+    out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
+    return (out.astype(jnp.float32) if config.float32_out else out), lse
   B, T, N, _ = q.shape
-  return kernel_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+  out_dtype = jnp.float32 if config.float32_out else q.dtype
+  return kernel_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
                                   jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
                      config, q, k, v, bias, mask, q_lens, kv_lens, variant=np.int64(0),
                      fold_heads=np.int64(0))
@@ -234,12 +277,23 @@ def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, b
                         q_lens, kv_lens, out, lse, d_out, d_lse):
   """Runs the fused backward of ``implementation`` (where ``choose_backward``
   names it): the gradients (dq, dk, dv) of the call ``fused_call`` ran, from
-  its out (B, T, N, H) and lse (B, T, N) and their cotangents d_out and d_lse
-  (float32)."""
+  its out (B, T, N, H; float32 where the forward kept it so) and lse (B, T, N)
+  and their cotangents d_out and d_lse (float32).
+
+  FlashAttention-2's D = rowsum(dO o O) - dLSE (Dao 2023, Algorithm 2, line
+  4) is reduced here, by XLA, in float32, for every kernel.
+  """
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
   if implementation in cuda.IMPLEMENTATIONS:
+    # dQ = dS K and dK = dS^T Q run over pairs whose dS is 0 (hidden, or a
+    # padding row): a non-finite key or query element there would give 0 *
+    # NaN. The kernels get them as 0; the rows that do see such a key or
+    # query still get NaN, through their forward's NaN LSE, out and D.
+    # (The CPU kernel guards those products itself.)
+    q, k = (jnp.where(jnp.isfinite(x), x, 0) for x in (q, k))
     return cuda.call_backward(implementation, config, q, k, v, bias, mask, q_lens, kv_lens,
-                              out, lse, d_out, d_lse)
+                              d_out, lse, delta)
   return kernel_call(CPU_BACKWARD_TARGET, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                 for x in (q, k, v)),
-                     config, q, k, v, bias, mask, q_lens, kv_lens, out, lse, d_out, d_lse,
+                     config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta,
                      variant=np.int64(0), fold_heads=np.int64(0))

@@ -133,18 +133,21 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
 
   Raises:
     ValueError, TypeError: as ``fast_attention``, naming the argument and its
-      shape, at trace time.
+      shape, at trace time; ValueError at once for concrete ``lengths``
+      outside [0, S_max] (traced ones are clamped to that range).
   """
   query = jnp.asarray(query)
   _check_cache("decode_attention", cache_k, cache_v)
   dims = shapes.check_qkv(query, cache_k, cache_v)
-  lengths = seq_lengths("lengths", lengths, dims.B)
+  lengths = seq_lengths("lengths", lengths, dims.B, dims.S)
   config = AttentionConfig(
-      scale=(1.0 / np.sqrt(dims.H) if scale is None else shapes.static_float("scale", scale)),
+      scale=(shapes.default_scale(dims.H) if scale is None
+             else shapes.static_float("scale", scale)),
       is_causal=dims.T > 1,
       window=shapes.normalize_window(local_window_size),
       softcap=(None if logits_soft_cap is None else
-               shapes.static_float("logits_soft_cap", logits_soft_cap, positive=True)),
+               shapes.static_float("logits_soft_cap", logits_soft_cap, positive=True,
+                                     max_value=shapes.MAX_SOFTCAP)),
       end_aligned=True, has_kv_lens=True,
       implementation=requested_implementation(implementation, query.dtype))
   if config.implementation == "cudnn":

@@ -63,7 +63,14 @@ def _jitted_bind(prim, config: AttentionConfig):
 
 
 def _impl(*operands, config, prim):
-  return _jitted_bind(prim, config)(*operands)
+  """Eager execution: the primitive compiled on its own. Under
+  ``jax.disable_jit()`` jit is turned back on for this one call (the kernel
+  runs only as a compiled custom call; jit would otherwise call back here),
+  and ``jax.debug_nans``/``debug_infs`` are off inside it: their eager re-run
+  of a jit that produced a NaN or inf would call back here too. Its results
+  are checked where they are used, as any primitive's."""
+  with jax.disable_jit(False), jax.debug_nans(False), jax.debug_infs(False):
+    return _jitted_bind(prim, config)(*operands)
 
 
 def _abstract_eval(*operands, config):
@@ -74,7 +81,8 @@ def _abstract_eval(*operands, config):
   # From q's aval, so that under shard_map both vary over q's manual mesh axes
   # (and lse is sharded as q's first three dims).
   lse_sharding = NamedSharding(q.sharding.mesh, P(*q.sharding.spec[:3]))
-  return (q.update(weak_type=False),
+  out_dtype = jnp.dtype(jnp.float32) if config.float32_out else q.dtype
+  return (q.update(dtype=out_dtype, weak_type=False),
           q.update(shape=(d.B, d.T, d.N), dtype=jnp.dtype(jnp.float32), weak_type=False,
                    sharding=lse_sharding))
 
@@ -274,7 +282,9 @@ def _lowering(ctx, *operands, config, platform, backward):
     fn = lambda *ops: attention_grads(config, *config.split_operands(ops[:-_RESIDUALS]),
                                       *ops[-2:])  # d_out, d_lse
   else:
-    fn = lambda *ops: attention_reference(config, *config.split_operands(ops))
+    def fn(*ops):
+      out, lse = attention_reference(config, *config.split_operands(ops))
+      return (out.astype(jnp.float32) if config.float32_out else out), lse
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 

@@ -47,6 +47,21 @@ def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=
   return visible
 
 
+def finite_keys(key):
+  """``(key_safe, finite)``: key (B, S, K, H) with its non-finite elements
+  replaced by 0, and (B, K, 1, 1, S) whether each key is wholly finite.
+
+  The logits are taken from ``key_safe`` and set to NaN where a key is not
+  finite: the rows that see such a key get NaN, as the arithmetic would give
+  them, while the products that also run over the rows that do not see it
+  (dQ = dS K) meet 0, not 0 * NaN.
+  """
+  finite = jnp.isfinite(key)
+  key_safe = jnp.where(finite, key, 0)
+  finite = jnp.all(finite, axis=-1)  # (B, S, K)
+  return key_safe, jnp.transpose(finite, (0, 2, 1))[:, :, None, None, :]
+
+
 def _probabilities(config: AttentionConfig, q, key, bias, visible):
   """The softmax of query rows q (B, R, K, G, H) over key (B, S, K, H), heads
   as (K, G): query head n = kh * G + g reads key/value head kh.
@@ -59,9 +74,10 @@ def _probabilities(config: AttentionConfig, q, key, bias, visible):
   B, R, K, G, _ = q.shape
   S = key.shape[1]
   acc = jnp.promote_types(q.dtype, jnp.float32)
+  key, finite = finite_keys(key)
   logits = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=acc,
                       precision=jax.lax.Precision.HIGHEST)
-  logits = logits * jnp.asarray(config.scale, acc)
+  logits = jnp.where(finite, logits, jnp.nan) * jnp.asarray(config.scale, acc)
   t = None
   if config.softcap is not None:
     c = jnp.asarray(config.softcap, acc)
@@ -118,7 +134,9 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S),
                    value.astype(acc), precision=jax.lax.Precision.HIGHEST)
   out = out.reshape(B, T, N, H).astype(query.dtype)
-  lse = (m + jnp.log(l))[..., 0]  # -inf exactly where a row sees no key
+  # -inf exactly where a row sees no key; log of l_safe keeps the gradient of
+  # such rows 0 (not 0 * inf), which jax.debug_nans would report.
+  lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1, l)))[..., 0]
   return out, jnp.transpose(lse, (0, 2, 1)).astype(acc)
 
 
@@ -195,11 +213,12 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
       ds = ds * (1 - t * t)
     p = p.reshape(B, K, G, rows, S)
     scale = jnp.asarray(config.scale, acc)
-    dq = scale * dot("bkgts,bskh->btkgh", ds, key)
+    dq = scale * dot("bkgts,bskh->btkgh", ds, key_safe)
     dk = dk + scale * dot("bkgts,btkgh->bskh", ds, qb)
     dv = dv + dot("bkgts,btkgh->bskh", p, dob)
     return (dk, dv), dq.reshape(B, rows, N, H)
 
+  key_safe, _ = finite_keys(key)
   # zeros_like: under shard_map the carry varies over the manual axes as the keys do.
   zeros = jnp.zeros_like(key, acc)
   (dk, dv), dq = jax.lax.scan(block, (zeros, zeros), jnp.arange(blocks))

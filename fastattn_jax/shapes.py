@@ -47,6 +47,11 @@ class AttentionConfig:
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
     deterministic: the backward sums in a fixed order (on kernel 90's CUDA
       path, "cuda_sm90": dQ in a pass of its own rather than by atomics).
+    float32_out: the forward writes out in float32 whatever the inputs'
+      dtype. The VJP's forward sets it for 16-bit inputs: its float32 out is
+      the residual from which the backward's D = rowsum(dO o O) is reduced
+      (from the 16-bit-rounded out, D's error times the scale would dominate
+      dS once the logits are not small).
   """
 
   scale: float
@@ -60,6 +65,7 @@ class AttentionConfig:
   has_kv_lens: bool = False
   implementation: str = "auto"
   deterministic: bool = False
+  float32_out: bool = False
 
   @property
   def window_bounds(self) -> tuple[int, int]:
@@ -85,8 +91,10 @@ class Dims:
   H: int
 
 
-def _shape(x) -> tuple[int, ...]:
-  return tuple(int(d) for d in x.shape)
+def _shape(x) -> tuple:
+  """``x.shape`` as a tuple: ints, or ``jax.export`` symbolic dims, which the
+  checks here compare but never convert."""
+  return tuple(x.shape)
 
 
 def check_qkv(query, key, value) -> Dims:
@@ -204,12 +212,29 @@ def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
   return window
 
 
-def static_float(name: str, x: Any, *, positive: bool = False) -> float:
-  """Returns ``x`` as a Python float; it must be a finite static number.
+def default_scale(H: int) -> float:
+  """``1 / sqrt(H)``, the scale of ``Q K^T`` when none is given; 1 for H = 0,
+  where every logit is 0 whatever the scale (1 / sqrt(0) would make it NaN)."""
+  return 1.0 / math.sqrt(H) if H > 0 else 1.0
+
+
+#: The largest soft cap: the kernels compute ``c * tanh(x / c)`` in float32,
+#: where ``x / c`` below float32's smallest normal (1.2e-38) flushes to 0. Up
+#: to this cap only logits below 2**-26 do, which exp in float32 cannot tell
+#: from 0 (exp(x) rounds to 1 for |x| < 2**-25).
+MAX_SOFTCAP = 2.0**100
+
+
+def static_float(name: str, x: Any, *, positive: bool = False,
+                 max_value: float = float(np.finfo(np.float32).max)) -> float:
+  """Returns ``x`` as a Python float; it must be a static number that float32,
+  in which every kernel applies it, represents: finite, and zero or of
+  magnitude between float32's smallest normal and ``max_value``.
 
   Raises:
-    TypeError: for traced or non-numeric values. ValueError: for non-finite
-    values, or values <= 0 when ``positive``.
+    TypeError: for traced or non-numeric values. ValueError: for values
+    outside that range (they would become inf or 0 in the kernels), or
+    values <= 0 when ``positive``.
   """
   try:
     value = float(x)
@@ -219,4 +244,23 @@ def static_float(name: str, x: Any, *, positive: bool = False) -> float:
   if not math.isfinite(value) or (positive and value <= 0):
     raise ValueError(
         f"{name} must be a finite{' positive' if positive else ''} number, got {x!r}")
+  smallest = float(np.finfo(np.float32).smallest_normal)
+  if value != 0 and not smallest <= abs(value) <= max_value:
+    raise ValueError(
+        f"{name}={x!r} is outside the range the kernels apply it in, float32 ("
+        f"{smallest:.3g} to {max_value:.3g} in magnitude)")
   return value
+
+
+def static_bool(name: str, x: Any) -> bool:
+  """Returns ``x`` as a Python bool; it must be static (a Python or NumPy bool).
+
+  Raises:
+    TypeError: for traced values or other types (pass it through
+      ``static_argnames`` under ``jax.jit``).
+  """
+  if not isinstance(x, (bool, np.bool_)):
+    raise TypeError(
+        f"{name} must be a static Python bool, got {type(x).__name__} (under jax.jit, "
+        f"pass it through static_argnames)")
+  return bool(x)

@@ -85,6 +85,17 @@ CASES = {
                     ValueError, [r"logits_soft_cap"]),
     "scale_string": ((sds(Q), sds(KV), sds(KV)), dict(scale="big"),
                      TypeError, [r"scale"]),
+    # Outside float32's range the kernels would apply inf or 0.
+    "softcap_above_float32": ((sds(Q), sds(KV), sds(KV)), dict(logits_soft_cap=1e39),
+                              ValueError, [r"logits_soft_cap", r"1e\+39", r"float32"]),
+    "softcap_flushing_logits": ((sds(Q), sds(KV), sds(KV)), dict(logits_soft_cap=1e31),
+                                ValueError, [r"logits_soft_cap", r"1e\+31", r"1.27e\+30"]),
+    "softcap_below_float32": ((sds(Q), sds(KV), sds(KV)), dict(logits_soft_cap=1e-46),
+                              ValueError, [r"logits_soft_cap", r"1e-46", r"float32"]),
+    "scale_above_float32": ((sds(Q), sds(KV), sds(KV)), dict(scale=-1e39),
+                            ValueError, [r"scale", r"-1e\+39", r"float32"]),
+    "scale_below_float32": ((sds(Q), sds(KV), sds(KV)), dict(scale=1e-40),
+                            ValueError, [r"scale", r"1e-40", r"float32"]),
     "unknown_implementation": ((sds(Q), sds(KV), sds(KV)), dict(implementation="triton"),
                                ValueError, [r"implementation", r"triton"]),
 }
@@ -130,15 +141,44 @@ def test_bad_input_raises_clear_error(name, how, rng):
 
 
 @pytest.mark.parametrize("what", ["scale", "logits_soft_cap", "local_window_size",
-                                  "deterministic"])
+                                  "deterministic", "is_causal"])
 def test_traced_static_option_raises(what, rng):
   q = jnp.asarray(rng.standard_normal(Q), jnp.float32)
   k = jnp.asarray(rng.standard_normal(KV), jnp.float32)
-  value = {"local_window_size": 2, "deterministic": True}.get(what, 0.5)
+  value = {"local_window_size": 2, "deterministic": True, "is_causal": True}.get(what, 0.5)
   f = jax.jit(lambda q, k, x: fast_attention(q, k, k, **{what: x}))
   with pytest.raises(TypeError) as err:
     f(q, k, value)
   _check_message(err, [what])
+
+
+def test_scale_zero_and_float32_extremes_are_accepted(rng):
+  q = jnp.asarray(rng.standard_normal(Q), jnp.float32)
+  k = jnp.asarray(rng.standard_normal(KV), jnp.float32)
+  uniform = jnp.broadcast_to(jnp.repeat(k.mean(axis=1, keepdims=True), N // K, axis=2), Q)
+  np.testing.assert_allclose(fast_attention(q, k, k, scale=0.0), uniform, atol=1e-6)
+  # The largest cap taken: tanh's argument stays normal for logits exp can tell from 0.
+  np.testing.assert_allclose(fast_attention(q, k, k, logits_soft_cap=2.0**100),
+                             fast_attention(q, k, k), atol=1e-6)
+
+
+@pytest.mark.parametrize("name,limit", [("query_seq_lengths", T),
+                                        ("key_value_seq_lengths", S)])
+@pytest.mark.parametrize("bad", ["above", "negative"])
+def test_concrete_lengths_out_of_range_raise(name, limit, bad, rng):
+  """Concrete lengths past T or S (or negative) raise, naming the argument;
+  traced ones are clamped (documented), as the kernels and the xla path agree."""
+  q = jnp.asarray(rng.standard_normal(Q), jnp.float32)
+  k = jnp.asarray(rng.standard_normal(KV), jnp.float32)
+  lengths = jnp.asarray([limit + 1, 2] if bad == "above" else [-1, 2], jnp.int32)
+  with pytest.raises(ValueError) as err:
+    fast_attention(q, k, k, **{name: lengths})
+  _check_message(err, [name, rf"\[0, {limit}\]", str(lengths.tolist()[0])])
+  clamped = jnp.clip(lengths, 0, limit)
+  for impl in (tu.IMPL, "xla"):
+    f = jax.jit(lambda q, k, lengths: fast_attention(q, k, k, implementation=impl,
+                                                     **{name: lengths}))
+    np.testing.assert_allclose(f(q, k, lengths), f(q, k, clamped), atol=0)
 
 
 def test_implementation_cpu_rejects_float64(rng):

@@ -296,3 +296,56 @@ def test_vmap_of_grad_and_grad_of_vmap(qkv, impl):
   np.testing.assert_allclose(per_example, loop, **CLOSE)
   g = jax.grad(lambda q: jnp.sum(jax.vmap(f)(q, k, v)))(q)
   np.testing.assert_allclose(g, loop, **CLOSE)
+
+
+def _grads(impl, q, k, v, bias, **opts):
+  f = lambda q, k, v, b: jnp.sum(fast_attention(q, k, v, b, implementation=impl, **opts) ** 2)
+  return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+
+def test_disable_jit_runs_forward_and_gradient(qkv, rng, impl):
+  """Under jax.disable_jit() (a debugging mode) the fused primitive still runs,
+  as its own compiled call, with the jitted results."""
+  q, k, v = qkv
+  bias = tu.random_bias(rng, (1, N, T, S))
+  opts = dict(is_causal=True, query_seq_lengths=tu.lengths([T, 7]))
+  want_out = jax.jit(lambda *a: fast_attention(*a, implementation=impl, **opts))(q, k, v, bias)
+  want = jax.jit(functools.partial(_grads, impl, **opts))(q, k, v, bias)
+  with jax.disable_jit():
+    out = fast_attention(q, k, v, bias, implementation=impl, **opts)
+    got = _grads(impl, q, k, v, bias, **opts)
+  np.testing.assert_allclose(out, want_out, **CLOSE)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["debug_nans", "debug_infs"])
+def test_debug_modes_quiet_on_padding_rows(qkv, rng, impl, mode):
+  """Rows that see no key (query padding, key length 0) give out 0, LSE -inf
+  and zero gradients: neither debug mode reports a NaN or inf that the
+  caller's values do not hold (dBias included)."""
+  q, k, v = qkv
+  bias = tu.random_bias(rng, (B, N, T, S))
+  opts = dict(query_seq_lengths=tu.lengths([T, 5]), key_value_seq_lengths=tu.lengths([S, 0]))
+  with getattr(jax, mode)(True):
+    out = jax.jit(lambda *a: fast_attention(*a, implementation=impl, **opts))(q, k, v, bias)
+    grads = jax.jit(functools.partial(_grads, impl, **opts))(q, k, v, bias)
+  assert np.all(np.asarray(out)[1] == 0)
+  for g in grads:
+    assert np.isfinite(np.asarray(g)).all()
+  assert np.all(np.asarray(grads[3])[1] == 0)  # batch 1 sees no key: no dBias
+
+
+def test_grad_inside_shard_map(qkv, impl):
+  """Data-parallel training: the gradient taken inside jax.shard_map (the
+  custom VJP there), on a mesh of Auto axes, equals the unsharded one."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
+  from jax.sharding import PartitionSpec as P
+  q, k, v = qkv
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  f = lambda q, k, v: jnp.sum(fast_attention(q, k, v, is_causal=True, implementation=impl) ** 2)
+  sharded = jax.jit(jax.shard_map(jax.grad(f, argnums=(0, 1, 2)), mesh=mesh,
+                                  in_specs=P("data"), out_specs=P("data")))
+  for a, b in zip(sharded(q, k, v), jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)):
+    np.testing.assert_allclose(a, b, **CLOSE)

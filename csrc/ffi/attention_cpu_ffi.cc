@@ -94,9 +94,14 @@ ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, attrs, &p); err.failure()) {
     return err;
   }
-  if (out->element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument("out must have the query's element type");
+  // out in the inputs' type, or float32 (the unrounded output, for 16-bit inputs).
+  if (out->element_type() != q.element_type() && out->element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("out must have the query's element type or F32");
   }
+  if (out->element_count() != q.element_count() || lse->element_count() != p.B * p.T * p.N) {
+    return ffi::Error::InvalidArgument("out must have the query's shape, lse (B, T, N)");
+  }
+  p.out_f32 = out->element_type() == ffi::DataType::F32;
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   const fastattn::CpuWorkers workers = WorkersOf(pool);
@@ -107,9 +112,8 @@ ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
 ffi::Error AttentionCpuBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                     ffi::AnyBuffer v, ffi::AnyBuffer bias,
                                     ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                                    ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out,
-                                    ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
-                                    ffi::Buffer<ffi::F32> d_lse,
+                                    ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer d_out,
+                                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                     ffi::Result<ffi::AnyBuffer> dv, CallAttrs attrs) {
   fastattn::AttentionGradParams g;
@@ -117,22 +121,21 @@ ffi::Error AttentionCpuBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, attrs, &p); err.failure()) {
     return err;
   }
-  for (auto type : {out.element_type(), d_out.element_type(), dq->element_type(),
-                    dk->element_type(), dv->element_type()}) {
+  for (auto type : {d_out.element_type(), dq->element_type(), dk->element_type(),
+                    dv->element_type()}) {
     if (type != q.element_type()) {
       return ffi::Error::InvalidArgument(
-          "out, d_out, dq, dk and dv must have the query's element type");
+          "d_out, dq, dk and dv must have the query's element type");
     }
   }
-  if (out.element_count() != q.element_count() || d_out.element_count() != q.element_count() ||
-      lse.element_count() != p.B * p.T * p.N || d_lse.element_count() != p.B * p.T * p.N) {
+  if (d_out.element_count() != q.element_count() || lse.element_count() != p.B * p.T * p.N ||
+      delta.element_count() != p.B * p.T * p.N) {
     return ffi::Error::InvalidArgument(
-        "out and d_out must have the query's shape, lse and d_lse (B, T, N)");
+        "d_out must have the query's shape, lse and delta (B, T, N)");
   }
-  p.out = out.untyped_data();
   p.lse = const_cast<float*>(lse.typed_data());  // read only: the forward's residual
   g.d_out = d_out.untyped_data();
-  g.d_lse = d_lse.typed_data();
+  g.delta = delta.typed_data();
   g.dq = dq->untyped_data(), g.dk = dk->untyped_data(), g.dv = dv->untyped_data();
   const fastattn::CpuWorkers workers = WorkersOf(pool);
   Record("cpu_backward", p, workers.count, fastattn::attention_backward_cpu(g, workers));
@@ -166,10 +169,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionCpuImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpuBackward, AttentionCpuBackwardImpl,
                               BindOperands()
-                                  .Arg<ffi::AnyBuffer>()            // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse
                                   .Arg<ffi::AnyBuffer>()            // d_out
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // d_lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // delta: rowsum(dO o O) - dLSE
                                   .Ret<ffi::AnyBuffer>()            // dq
                                   .Ret<ffi::AnyBuffer>()            // dk
                                   .Ret<ffi::AnyBuffer>()            // dv

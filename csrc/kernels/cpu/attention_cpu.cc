@@ -96,6 +96,9 @@ constexpr int64_t kFewRows = 8;
 constexpr int64_t kDecodeTileBytes = 256 * 1024;
 // Vectors of an O row accumulated at once on the decode path.
 constexpr int kRowVecs = 8;
+// Whether the forward of a call runs the decode path: the backward then recomputes its logits in
+// the decode path's order (attention_cpu_kernel.inc: dot_keys).
+bool decode_rows(const AttentionParams& p) { return p.T * (p.N / p.K) <= kFewRows; }
 
 // The backward's tiles: kBwdBr query rows by kBwdBc keys, a multiple of every vector width (the
 // keys are the lanes). 64 x 64 keeps a tile's P, dS and soft-cap factors (48 KB) and the key
@@ -302,7 +305,7 @@ const Kernels& kernels() {
 // Split-KV combine: O = sum_s e^(m_s - M) O_s / L, L = sum_s e^(m_s - M) l_s, LSE = M + log(L).
 
 template <class T>
-void combine_splits(const Problem& pb) {
+void combine_splits_to(const Problem& pb) {
   const AttentionParams& p = *pb.p;
   const int64_t H = p.H;
   const int64_t rows = p.B * p.T * p.N;
@@ -394,13 +397,64 @@ int64_t useful_workers(int64_t cpus, int64_t items, double flops) {
       1, std::min({cpus, items, static_cast<int64_t>(flops / kFlopsPerThread) + 1}));
 }
 
+// combine_splits_to for out's element type.
+void combine_splits(const Problem& pb) {
+  switch (pb.p->out_f32 ? kFaF32 : pb.p->dtype) {
+    case kFaF32:
+      return combine_splits_to<float>(pb);
+    case kFaF16:
+      return combine_splits_to<Half>(pb);
+    case kFaBF16:
+      return combine_splits_to<BFloat16>(pb);
+  }
+}
+
+// The LSE of a call with H = 0, where every logit is 0 (scale * 0, soft-capped to 0) plus the
+// bias: for each row, the log-sum-exp over its visible keys of their biases (log of their count
+// without bias), in float64; -inf for a row that sees no key, as the kernel's l = 0 gives.
+template <class BiasT>
+void lse_without_head_dims(const AttentionParams& p) {
+  const BiasT* bias = static_cast<const BiasT*>(p.bias);
+  const int64_t* bs = p.bias_strides;
+  const int64_t* ms = p.mask_strides;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t q_len = p.q_lens ? std::clamp<int64_t>(p.q_lens[b], 0, p.T) : p.T;
+    const int64_t kv_len = p.kv_lens ? std::clamp<int64_t>(p.kv_lens[b], 0, p.S) : p.S;
+    for (int64_t i = 0; i < p.T; ++i) {
+      int64_t lo, hi;
+      fa_row_keys(p.rules, q_len, kv_len, i, &lo, &hi);
+      for (int64_t n = 0; n < p.N; ++n) {
+        const int64_t bias_row = b * bs[0] + n * bs[1] + i * bs[2];
+        const int64_t mask_row = b * ms[0] + n * ms[1] + i * ms[2];
+        const auto visible = [&](int64_t j) {
+          return p.mask == nullptr || p.mask[mask_row + j * ms[3]];
+        };
+        const auto logit = [&](int64_t j) {
+          return bias == nullptr ? 0.0 : double{cpu::to_float(bias[bias_row + j * bs[3]])};
+        };
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = lo; j < hi; ++j) {
+          if (visible(j)) m = std::max(m, logit(j));
+        }
+        double l = 0.0;
+        if (m > -std::numeric_limits<double>::infinity()) {
+          for (int64_t j = lo; j < hi; ++j) {
+            if (visible(j)) l += std::exp(logit(j) - m);
+          }
+        }
+        p.lse[(b * p.T + i) * p.N + n] = l == 0.0 ? -kInf : static_cast<float>(m + std::log(l));
+      }
+    }
+  }
+}
+
 // The plan of a call (Problem's sizes) and the workers worth using.
 void plan(const AttentionParams& p, int64_t cpus, Problem* pb, int64_t* workers) {
   *pb = Problem{};
   pb->G = p.N / p.K;
   pb->packed_rows = p.T * pb->G;
   int64_t base_items;
-  pb->decode = pb->packed_rows <= kFewRows;
+  pb->decode = decode_rows(p);  // packed_rows <= kFewRows
   if (pb->decode) {
     const int64_t Hp = round_up(p.H, 16);
     pb->decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * Hp) / 16 * 16, 16, kBc);
@@ -454,6 +508,22 @@ CpuPlan PlanCpu(const AttentionParams& p, int64_t workers) {
 }
 
 CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers) {
+  if (params.H == 0 && params.lse != nullptr && params.B > 0 && params.T > 0 && params.N > 0 &&
+      params.K > 0) {
+    // out has no elements; the LSE is defined by the logits, all 0 (plus the bias).
+    switch (params.bias == nullptr ? kFaF32 : params.bias_dtype) {
+      case kFaF32:
+        lse_without_head_dims<float>(params);
+        break;
+      case kFaF16:
+        lse_without_head_dims<Half>(params);
+        break;
+      case kFaBF16:
+        lse_without_head_dims<BFloat16>(params);
+        break;
+    }
+    return CpuPlan{};
+  }
   if (Empty(params)) return CpuPlan{};
   AttentionParams p = params;
   Problem pb;
@@ -472,19 +542,7 @@ CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& w
   run_items(workers, count, pb.items, Scratch::floats(pb),
             [&](int64_t item, float* scratch) { worker(pb, scratch, item); });
 
-  if (pb.splits > 1) {
-    switch (p.dtype) {
-      case kFaF32:
-        combine_splits<float>(pb);
-        break;
-      case kFaF16:
-        combine_splits<Half>(pb);
-        break;
-      case kFaBF16:
-        combine_splits<BFloat16>(pb);
-        break;
-    }
-  }
+  if (pb.splits > 1) combine_splits(pb);
   return Describe(pb, count);
 }
 

@@ -23,7 +23,9 @@ namespace fastattn {
 struct AttentionParams {
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
 
-  FaDtype dtype = kFaF32;                 // of q, k, v and out
+  FaDtype dtype = kFaF32;                 // of q, k, v and out (unless out_f32)
+  bool out_f32 = false;                   // out is float32 whatever dtype is (the unrounded
+                                          // output of 16-bit inputs)
   const void* q = nullptr;                // (B, T, N, H), row-major
   const void* k = nullptr;                // (B, S, K, H), row-major
   const void* v = nullptr;                // (B, S, K, H), row-major
@@ -82,26 +84,34 @@ struct CpuPlan {
 
 CpuPlan PlanCpu(const AttentionParams& params, int64_t workers);
 
-// Computes out and lse. Query rows with no visible key (including rows at or
-// beyond q_lens[b]) get out = 0 and lse = -inf. A NaN or Inf in q, k or v
-// reaches only the rows that see it. Runs on `workers` as PlanCpu plans it and
-// returns that plan. Memory beyond inputs and outputs is O((Br + Bc) * H)
+// Computes out (dtype, or float32) and lse. Query rows with no visible key (including
+// rows at or beyond q_lens[b]) get out = 0 and lse = -inf. A NaN or Inf in q, k
+// or v reaches only the rows that see it. With H = 0 every logit is 0 (plus the
+// bias): lse is the log-sum-exp of the visible keys' biases (the log of their
+// count without one), out has no elements. Runs on `workers` as PlanCpu plans
+// it and returns that plan. Memory beyond inputs and outputs is O((Br + Bc) * H)
 // floats per worker (O(K * (T * N / K + 32) * H) on the decode path, T * N /
 // K <= 8), plus split-KV partials of O(splits * T * N * H) floats when T is
 // small and S long.
 CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers);
 
 // The gradients of one call (FlashAttention-2's backward, Dao 2023, Algorithm 2): `fwd` is the
-// forward's call, its out and lse the residuals (read, not written); d_out and d_lse the
-// cotangents of out and lse (a gradient through the LSE adds d_lse_i P_i to dS_i);
+// forward's call (its out unused), its lse the forward's residual (read, not written); d_out the
+// cotangent of out and delta FlashAttention-2's D_i = rowsum(dO_i o O_i) - dLSE_i, reduced by
+// the caller from the float32 O (a gradient through the LSE adds dLSE_i P_i to dS_i);
 // dq, dk, dv (shapes of q, k, v, fwd.dtype) are written, every element. dBias is not computed.
+//
+// P is recomputed exactly as the forward computed it (same logits, bit for bit, and the same
+// exponential): a row with a single visible key gets P = 1 exactly, and where P = 1 a dS within
+// the rounding of dP - D is taken as 0 (so such rows get dQ = 0, as the exact gradient). A NaN or
+// Inf in q, k, v or d_out reaches only the gradients of the rows and keys that see it.
 struct AttentionGradParams {
   AttentionParams fwd;
-  const void* d_out = nullptr;  // (B, T, N, H)
-  const float* d_lse = nullptr;  // (B, T, N)
-  void* dq = nullptr;           // (B, T, N, H)
-  void* dk = nullptr;           // (B, S, K, H)
-  void* dv = nullptr;           // (B, S, K, H)
+  const void* d_out = nullptr;   // (B, T, N, H), fwd.dtype
+  const float* delta = nullptr;  // (B, T, N)
+  void* dq = nullptr;            // (B, T, N, H)
+  void* dk = nullptr;            // (B, S, K, H)
+  void* dv = nullptr;            // (B, S, K, H)
 };
 
 // How a backward call runs: Br query rows and Bc keys per tile (Bb = 0, splits = 1); items
