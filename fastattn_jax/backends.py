@@ -102,9 +102,9 @@ def default_path(platform: str, dtype=None, head_dim: int | None = None) -> tupl
     if dtype is not None and jnp.dtype(dtype) == jnp.float32:
       return "xla", ("float32 inputs take XLA on GPUs: the CUDA kernels multiply in 16 bits "
                      "(a forced cuda_sm* path rounds float32 to float16)")
-    if head_dim is not None and head_dim > cuda.MAX_HEAD_DIM:
-      return "xla", (f"head dim H={head_dim} is above {cuda.MAX_HEAD_DIM}, the largest the "
-                     f"CUDA kernels take")
+    if head_dim is not None and not 1 <= head_dim <= cuda.MAX_HEAD_DIM:
+      return "xla", (f"head dim H={head_dim} is outside 1 to {cuda.MAX_HEAD_DIM}, the head "
+                     f"dims the CUDA kernels take")
     cc = _local_compute_capability()
     path = cuda.default_implementation(cc, head_dim)
     return path, f"the kernel for compute capability {cc // 10}.{cc % 10}" + (
@@ -169,9 +169,9 @@ def choose_forward(implementation: str | None, platform: str, dtype=None,
       raise ValueError(
           f"implementation={implementation!r} needs a GPU of compute capability "
           f"{needed}; this one is {cc // 10}.{cc % 10} (use implementation=None)")
-    if head_dim is not None and head_dim > cuda.MAX_HEAD_DIM:
+    if head_dim is not None and not 1 <= head_dim <= cuda.MAX_HEAD_DIM:
       raise ValueError(
-          f"implementation={implementation!r} supports head dims up to "
+          f"implementation={implementation!r} supports head dims 1 to "
           f"{cuda.MAX_HEAD_DIM}, got H={head_dim}; use implementation=None or 'xla'")
   return implementation, "requested by implementation="
 
@@ -283,14 +283,20 @@ def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, b
   FlashAttention-2's D = rowsum(dO o O) - dLSE (Dao 2023, Algorithm 2, line
   4) is reduced here, by XLA, in float32, for every kernel.
   """
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-  if implementation in cuda.IMPLEMENTATIONS:
+  on_cuda = implementation in cuda.IMPLEMENTATIONS
+  if on_cuda:
+    # D from the dO the kernels multiply (rounded to their operand dtype, as
+    # cuda.call_backward sends it): from another dO, D - dP would not cancel
+    # where it must (a row's only key: dS = 0).
+    d_out = d_out.astype(cuda.operand_dtype(implementation, q.dtype))
     # dQ = dS K and dK = dS^T Q run over pairs whose dS is 0 (hidden, or a
     # padding row): a non-finite key or query element there would give 0 *
     # NaN. The kernels get them as 0; the rows that do see such a key or
     # query still get NaN, through their forward's NaN LSE, out and D.
     # (The CPU kernel guards those products itself.)
     q, k = (jnp.where(jnp.isfinite(x), x, 0) for x in (q, k))
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  if on_cuda:
     return cuda.call_backward(implementation, config, q, k, v, bias, mask, q_lens, kv_lens,
                               d_out, lse, delta)
   return kernel_call(CPU_BACKWARD_TARGET, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -151,8 +151,14 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
-      H > 128 on the sm70 and sm75 paths), saying why.
+      H > 128 on the sm70 and sm75 paths; symbolic dims, as ``jax.export``
+      makes them: a launch is planned for concrete sizes), saying why.
   """
+  symbolic = [d for d in (*q_shape, *k_shape) if not isinstance(d, (int, np.integer))]
+  if symbolic:
+    raise ValueError(
+        f"the CUDA kernels plan their launch for concrete sizes, got query {tuple(q_shape)} "
+        f"and key {tuple(k_shape)}: export with concrete dims, or with implementation='xla'")
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
   left, right = config.window_bounds

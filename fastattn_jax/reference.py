@@ -152,8 +152,9 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
   (through the soft cap's tanh), dQ = scale dS K, and dK += scale dS^T Q,
   dV += P^T dO summed over the blocks (and over each GQA group). Each block
   holds B * N * rows * S logits, rows chosen so that is at most
-  ``block_elems`` (at least one row): the T x S logits exist one block at a
-  time, where jax.vjp of ``attention_reference`` holds all of them at once.
+  ``block_elems`` (at least one row; per sequence where B is symbolic, as
+  in ``jax.export``): the T x S logits exist one block at a time, where
+  jax.vjp of ``attention_reference`` holds all of them at once.
 
   Args:
     config, query, key, value, bias, mask, q_lens, kv_lens: as
@@ -171,7 +172,9 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
   acc = jnp.promote_types(query.dtype, jnp.float32)
   dot = lambda spec, a, b: jnp.einsum(spec, a.astype(acc), b.astype(acc),
                                       precision=jax.lax.Precision.HIGHEST)
-  rows = max(1, min(T, block_elems // max(1, B * N * S)))
+  # A symbolic batch (jax.export) sizes the blocks per sequence.
+  per_block = (B if isinstance(B, int) else 1) * N * S
+  rows = max(1, min(T, block_elems // max(1, per_block)))
   blocks = -(-T // rows)
   pad = blocks * rows - T
   if kv_lens is not None:  # keys past the length are never read, even as 0 * k
