@@ -1,7 +1,10 @@
 """The CUDA kernels compile with NVRTC on a machine without a GPU, and the
-kernel cache is safe: every shipped variant for sm_70, sm_75, sm_80, sm_86 and
-sm_90 (register spills fail the main variants), concurrent processes filling
-one cache, and a corrupt entry rebuilt.
+kernel cache is safe: every shipped variant for sm_70, sm_75, sm_80 and sm_90
+(register spills fail the main variants), concurrent processes filling one
+cache, and a corrupt entry rebuilt. sm_86 compiles kernel 80's sources as
+sm_80 does, with the same register file; it is left out to keep CI within
+its time (the 1168 variants of all five took about 7.7 of its 21.7 minutes
+of tests).
 
 NVRTC comes from PyPI (``nvidia-cuda-nvrtc-cu12``, in the ``test`` extra),
 which targets sm_70..sm_90 with no GPU or toolkit.
@@ -20,7 +23,7 @@ from fastattn_jax import _ffi, cuda, precompile
 from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 #: The GPUs compiled for, by compute capability.
-CCS = [70, 75, 80, 86, 90]
+CCS = [70, 75, 80, 90]
 
 
 @pytest.fixture
