@@ -273,6 +273,21 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
                      fold_heads=np.int64(0))
 
 
+def _rounded(x, dtype):
+  """float32 ``x`` rounded to the values of ``dtype`` (float16 or bfloat16),
+  kept in float32. Not ``x.astype(dtype).astype(float32)``: XLA's
+  excess-precision simplification removes that round trip on GPUs. And
+  reduce_precision flushes float16's subnormals to 0, so those are rounded
+  on their grid (multiples of 2^-24, to nearest even) instead."""
+  info = jnp.finfo(dtype)
+  rounded = jax.lax.reduce_precision(x, info.nexp, info.nmant)
+  if info.nexp < 8:  # float16: subnormals below float32's
+    step = float(info.smallest_subnormal)
+    rounded = jnp.where(jnp.abs(x) < float(info.smallest_normal), jnp.round(x / step) * step,
+                        rounded)
+  return rounded
+
+
 def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, bias, mask,
                         q_lens, kv_lens, out, lse, d_out, d_lse):
   """Runs the fused backward of ``implementation`` (where ``choose_backward``
@@ -288,17 +303,22 @@ def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, b
     # D from the dO the kernels multiply (rounded to their operand dtype, as
     # cuda.call_backward sends it): from another dO, D - dP would not cancel
     # where it must (a row's only key: dS = 0).
-    d_out = d_out.astype(cuda.operand_dtype(implementation, q.dtype))
+    d_out = _rounded(d_out.astype(jnp.float32), cuda.operand_dtype(implementation, q.dtype))
     # dQ = dS K and dK = dS^T Q run over pairs whose dS is 0 (hidden, or a
     # padding row): a non-finite key or query element there would give 0 *
     # NaN. The kernels get them as 0; the rows that do see such a key or
     # query still get NaN, through their forward's NaN LSE, out and D.
     # (The CPU kernel guards those products itself.)
     q, k = (jnp.where(jnp.isfinite(x), x, 0) for x in (q, k))
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  products = d_out.astype(jnp.float32) * out.astype(jnp.float32)
+  delta = jnp.sum(products, axis=-1) - d_lse
   if on_cuda:
+    # sum_h |dO_h O_h|: where a row's P = 1 at key j, O = V_j and this is the
+    # magnitude attention_rules.h's one-hot rounding measures dP - D against
+    # (the CPU kernel sums |dO_h V_jh| itself).
+    magnitude = jnp.sum(jnp.abs(products), axis=-1)
     return cuda.call_backward(implementation, config, q, k, v, bias, mask, q_lens, kv_lens,
-                              d_out, lse, delta)
+                              d_out, lse, delta, magnitude)
   return kernel_call(CPU_BACKWARD_TARGET, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                 for x in (q, k, v)),
                      config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta,

@@ -234,13 +234,15 @@ def _kernel_rows(p: dict, *xs):
 
 
 def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, mask, q_lens,
-                  kv_lens, d_out, lse, delta):
+                  kv_lens, d_out, lse, delta, magnitude):
   """Runs the backward kernels ``implementation`` plans for the call; returns
   (dq, dk, dv) in q's, k's and v's shapes and dtypes.
 
   ``delta`` is D = rowsum(dO o O) - dLSE (B, T, N float32), reduced by the
   caller (``backends.fused_backward_call``, from the float32 O of a
-  ``float32_out`` forward for 16-bit inputs); q, k, v and d_out go to the
+  ``float32_out`` forward for 16-bit inputs), ``magnitude`` sum_h |dO_h O_h|
+  (B, T, N float32; the scale of dP - D's rounding where a row's P is 1,
+  ``fa_one_hot_tolerance`` in attention_rules.h); q, k, v and d_out go to the
   plan's operand dtype and rows as ``call`` sends them.
   Kernel 90 adds dQ into float32 by atomics unless ``config.deterministic``
   (then a pass of its own); it is rounded to q's dtype here. No gradient for
@@ -251,14 +253,14 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
   p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None, backward=True)
   dtypes = (q.dtype, k.dtype, v.dtype)
-  delta = jnp.asarray(delta, jnp.float32)
+  delta, magnitude = (jnp.asarray(x, jnp.float32) for x in (delta, magnitude))
   q, k, v, d_out = _kernel_rows(p, q, k, v, d_out)
   # dQ in float32 where the dK/dV kernel adds it by atomics (variant backward 2).
   dq_dtype = jnp.float32 if p["backward"] == 2 else dtypes[0]
   grads = kernel_call(BACKWARD_TARGET, tuple(
       jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
                                                      (v, dtypes[0]))),
-      config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta,
+      config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta, magnitude,
       bias_dtype=jnp.float32, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 

@@ -231,10 +231,11 @@ ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q
 
 // The backward's buffers: d_out and the gradients as query, key and value
 // (CheckCall's rules, with dq in out's place; dq float32 where the variant
-// adds it by atomics), lse and delta (B, T, N).
+// adds it by atomics), lse, delta and magnitude (B, T, N).
 ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
-                         ffi::Buffer<ffi::F32> delta, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                         ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::F32> magnitude,
+                         ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                          ffi::AnyBuffer dv, fastattn::QkvDims* d) {
   const bool atomic = site.variant.backward == 2;
   if (auto err = CheckCall(site, q, k, v, dq, d, dk.element_type()); err.failure()) return err;
@@ -245,11 +246,12 @@ ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer
       dv.element_type() != dk.element_type() || dk.element_count() != k.element_count() ||
       dv.element_count() != v.element_count() ||
       static_cast<int64_t>(lse.element_count()) != rows ||
-      static_cast<int64_t>(delta.element_count()) != rows) {
+      static_cast<int64_t>(delta.element_count()) != rows ||
+      static_cast<int64_t>(magnitude.element_count()) != rows) {
     return ffi::Error::InvalidArgument(
         "CUDA attention backward: d_out must be as query, dk and dv as key and value in the "
-        "output dtype, dq in it too (float32 for the atomic-dQ variant), lse and delta "
-        "(B, T, N)");
+        "output dtype, dq in it too (float32 for the atomic-dQ variant), lse, delta and "
+        "magnitude (B, T, N)");
   }
   return ffi::Error::Success();
 }
@@ -259,10 +261,12 @@ ffi::Error InitializeBackwardImpl(cu::CUstream stream, SiteState* site, ffi::Any
                                   ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>,
                                   ffi::Buffer<ffi::S32>, ffi::AnyBuffer d_out,
                                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                                  ffi::Buffer<ffi::F32> magnitude,
                                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                   ffi::Result<ffi::AnyBuffer> dv, CallAttrs) {
   fastattn::QkvDims d;
-  if (auto err = CheckBackward(*site, q, k, v, d_out, lse, delta, *dq, *dk, *dv, &d);
+  if (auto err =
+          CheckBackward(*site, q, k, v, d_out, lse, delta, magnitude, *dq, *dk, *dv, &d);
       err.failure()) {
     return err;
   }
@@ -428,10 +432,12 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
                                ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer d_out,
                                ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                               ffi::Buffer<ffi::F32> magnitude,
                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                ffi::Result<ffi::AnyBuffer> dv, CallAttrs) {
   fastattn::QkvDims d;
-  if (auto err = CheckBackward(*site, q, k, v, d_out, lse, delta, *dq, *dk, *dv, &d);
+  if (auto err =
+          CheckBackward(*site, q, k, v, d_out, lse, delta, magnitude, *dq, *dk, *dv, &d);
       err.failure()) {
     return err;
   }
@@ -457,6 +463,7 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
   p.split.parts = 1;
   p.d_out = d_out.untyped_data();
   p.delta = delta.typed_data();
+  p.magnitude = magnitude.typed_data();
   p.dq = dq->untyped_data(), p.dk = dk->untyped_data(), p.dv = dv->untyped_data();
   std::copy(p.kv_stride, p.kv_stride + 3, p.dkv_stride);
   const cu::LoadedKernel& kn = *c->kernel;
@@ -507,6 +514,7 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
       .Arg<ffi::AnyBuffer>()         /* d_out */                    \
       .Arg<ffi::Buffer<ffi::F32>>()  /* lse */                      \
       .Arg<ffi::Buffer<ffi::F32>>()  /* delta: rowsum(dO o O) - dLSE */ \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* magnitude: rowsum(|dO o O|) */ \
       .Ret<ffi::AnyBuffer>()         /* dq */                       \
       .Ret<ffi::AnyBuffer>()         /* dk */                       \
       .Ret<ffi::AnyBuffer>()         /* dv */                       \

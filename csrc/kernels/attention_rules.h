@@ -34,6 +34,19 @@ struct FaRules {
   int window_right;
 };
 
+// The backward's one-hot rounding, every kernel's: where a row's softmax is
+// one-hot to float precision (P = 1 at key j, as for a row's only visible
+// key) the exact dS = P (dP - D) is dLSE (D = dO . O - dLSE with O = V_j),
+// but dP = dO . V_j is summed by the kernel and dO . O by the caller, each in
+// an order of its own, which leaves up to about (2 H + 8) u sum_h |dO_h
+// V_jh| of rounding in dP - D (u = 2^-24), and the scale multiplies it into
+// dQ and dK, whose exact value there is 0 (XLA's softmax VJP, g - g, gives 0
+// too). So a dP - D within this fraction of sum_h |dO_h V_jh| is taken as 0
+// at such an entry: a dLSE below it is lost, as it would be in the rounding.
+FA_HOST_DEVICE float fa_one_hot_tolerance(int H) {
+  return static_cast<float>(2 * H + 8) * 5.9604644775390625e-8f;  // u = 2^-24
+}
+
 // Windows wider than this are as good as unbounded for any T + S the kernels
 // take (both below 2^30), and keep pos(i) + 1 + window in an int.
 constexpr long long kFaMaxWindow = 1ll << 30;

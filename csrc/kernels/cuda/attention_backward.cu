@@ -9,7 +9,7 @@
 //                     G heads that read it which sees one of them, kBq rows
 //                     at a time. Keys are the rows of its products:
 //                       S^T  = K Q^T        (A: K rows, B: Q rows)
-//                       P^T  = 2^(S^T scale log2(e) - LSE_2)
+//                       P^T  = e^(S^T scale - LSE)
 //                       dP^T = V dO^T       (A: V rows, B: dO rows)
 //                       dS^T = P^T (dP^T - D)
 //                       dV  += P^T dO       (A: P^T from the accumulators)
@@ -165,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   const unsigned sk = fa_smem_u32(smem), sv = sk + kBc * kRowBytes;
   // Stage st of the query steps: Q and dO rows, then (after both stages) the
-  // rows' LSE (log2 domain) and D.
+  // rows' LSE (lse_of) and D.
   auto sq = [&](int st) { return sv + kBc * kRowBytes + st * 2 * kBq * kRowBytes; };
   auto sdo = [&](int st) { return sq(st) + kBq * kRowBytes; };
   float* s_lse = reinterpret_cast<float*>(smem + (2 * kBc + 2 * kStages * kBq) * kRowBytes);
@@ -196,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (tid < kBq) {
       const bool live = i0 + tid < q_len;
       const long long at = fa_at(p.lse_stride, b, i0 + tid, n);
-      next_lse = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+      next_lse = live ? lse_of(p.lse[at]) : __int_as_float(0x7f800000);
       next_delta = live ? p.delta[at] : 0.f;
     }
   };
@@ -239,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         float s[kBq / 8][4], dp[kBq / 8][4];
         rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq(st), lane, s);
         rows_times_rows<kBq>(sv + a_offset(16 * warp, lane), sdo(st), lane, dp);
-        const float* lse2 = s_lse + st * kBq;
+        const float* lse = s_lse + st * kBq;
         const float* delta = s_delta + st * kBq;
         fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kBq, wk0, wk1), [&](bool whole) {
 #pragma unroll
@@ -253,10 +253,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                 const bool seen =
                     whole || fa_visible(p.rules, q_len, kv_len, i0 + c, j);
                 prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i0 + c, j,
-                            lse2[c], delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
+                            lse[c], delta[c], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
               }
             }
         });
+        fa_one_hot_rounding(s, dp, p.H, fa_magnitude_of(p, b, n, [&](int nt, int x) {
+          return i0 + nt * 8 + 2 * t4 + (x & 1);
+        }));
         accumulate<kBq>(s, sdo(st) + col0 * 2, lane, dv);
         accumulate<kBq>(dp, sq(st) + col0 * 2, lane, dk);
       }
@@ -299,12 +302,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int w0 = m0 + 16 * warp, w1 = w0 + 16;
   int wlo, whi;
   fa_rows_keys(p.rules, q_len, kv_len, w0, w1, &wlo, &whi);
-  float lse2[2], delta[2];
+  float lse[2], delta[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = w0 + g + 8 * h;
     const long long at = fa_at(p.lse_stride, b, i, n);
-    lse2[h] = i < q_len ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+    lse[h] = i < q_len ? lse_of(p.lse[at]) : __int_as_float(0x7f800000);
     delta[h] = i < q_len ? p.delta[at] : 0.f;
   }
   float dq[kNo][4];
@@ -325,11 +328,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           for (int e = 0; e < 2; ++e) {
             const int i = w0 + g + 8 * h, j = n0 + nt * 8 + 2 * t4 + e;
             const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, j);
-            float pe;
-            prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse2[h],
-                        delta[h], &pe, &dp[nt][2 * h + e]);
+            prob_and_ds(p, s[nt][2 * h + e], dp[nt][2 * h + e], seen, b, n, i, j, lse[h],
+                        delta[h], &s[nt][2 * h + e], &dp[nt][2 * h + e]);
           }
     });
+    fa_one_hot_rounding(s, dp, p.H, fa_magnitude_of(p, b, n, [&](int, int x) {
+      return w0 + g + 8 * (x >> 1);
+    }));
     accumulate<kBcq>(dp, sk(st), lane, dq);
   };
 

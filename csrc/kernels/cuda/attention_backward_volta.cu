@@ -168,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) fa_backward_dkdv(const
       for (int r = tid; r < kBq; r += kThreads) {
         const bool live = i0 + r < q_len;
         const long long at = fa_at(p.lse_stride, b, i0 + r, n);
-        s_lse[r] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+        s_lse[r] = live ? lse_of(p.lse[at]) : __int_as_float(0x7f800000);
         s_delta[r] = live ? p.delta[at] : 0.f;
       }
       __syncthreads();
@@ -188,6 +188,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) fa_backward_dkdv(const
                         &s[j][e], &dp[j][e]);
           }
       });
+      fa_one_hot_rounding(s, dp, p.H, fa_magnitude_of(p, b, n, [&](int j, int e) {
+        return i0 + j * 8 + (e & 4) + (e & 1) + 2 * t1;
+      }));
       unsigned pa[kBq / 4][2], da[kBq / 4][2];
 #pragma unroll
       for (int j = 0; j < kBq / 8; ++j) {
@@ -223,12 +226,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dq(const FaGr
   const int c_row0 = wm0 + h * 4 * kRGq + rg * 4 + t0;  // and c_row0 + 2
   int wlo, whi;
   fa_rows_keys(p.rules, q_len, kv_len, wm0, wm0 + kRWq, &wlo, &whi);
-  float lse2[2], delta[2];
+  float lse[2], delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = c_row0 + 2 * r;
     const long long at = fa_at(p.lse_stride, b, i, n);
-    lse2[r] = i < q_len ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+    lse[r] = i < q_len ? lse_of(p.lse[at]) : __int_as_float(0x7f800000);
     delta[r] = i < q_len ? p.delta[at] : 0.f;
   }
   float dq[kNTOq][8];
@@ -259,11 +262,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_backward_dq(const FaGr
             const int r = (e >> 1) & 1, i = c_row0 + 2 * r;
             const int key = n0 + j * 8 + (e & 4) + (e & 1) + 2 * t1;
             const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
-            float pe;
-            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[r], delta[r], &pe,
+            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse[r], delta[r], &s[j][e],
                         &dp[j][e]);
           }
       });
+      fa_one_hot_rounding(s, dp, p.H, fa_magnitude_of(p, b, n, [&](int, int e) {
+        return c_row0 + 2 * ((e >> 1) & 1);
+      }));
       unsigned da[kBcq / 4][2];
 #pragma unroll
       for (int j = 0; j < kBcq / 8; ++j) volta_pack_a(dp[j], t1, da[2 * j], da[2 * j + 1]);

@@ -13,7 +13,7 @@
 //                     the G heads that see one of its keys. Keys are the
 //                     rows (wgmma's M) of
 //                       S^T  = K Q^T, dP^T = V dO^T      (A and B from shared memory)
-//                       P^T  = 2^(S^T scale log2(e) - LSE_2), dS^T = P^T (dP^T - D)
+//                       P^T  = e^(S^T scale - LSE), dS^T = P^T (dP^T - D)
 //                       dV  += P^T dO, dK += dS^T Q      (A from registers, B
 //                                                         N-major: transposed)
 //                     as S = Q K^T and O += P V are in the forward, so P^T
@@ -37,7 +37,7 @@
 //                       S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
 //
 // D = rowsum(dO o O) - dLSE comes precomputed from the caller. Rows that see
-// no key, and rows past the query length, have LSE_2 = +inf: P = 0.
+// no key, and rows past the query length, have LSE +inf: P = 0.
 #include "attention_grad.cuh"
 #include "attention_wgmma.cuh"
 
@@ -78,8 +78,9 @@ __device__ __forceinline__ void load_tile(unsigned dst, const void* base,
                    ltid);
 }
 
-// ROWS rows' LSE (log2 domain; +inf past the query length) and D, from
-// query row `row` of head n, into lse[0..ROWS) and lse[ROWS..2 ROWS).
+// ROWS rows' LSE (lse_of: +inf past the query length), D and
+// rowsum(|dO o O|), from query row `row` of head n, into lse[0..ROWS),
+// lse[ROWS..2 ROWS) and lse[2 ROWS..3 ROWS).
 template <int ROWS>
 __device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, int b, int n,
                                              int row, int q_len, int ltid) {
@@ -87,8 +88,9 @@ __device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, 
   if (ltid < ROWS) {
     const bool live = row + ltid < q_len;
     const long long at = fa_at(p.lse_stride, b, row + ltid, n);
-    lse[ltid] = live ? lse2_of(p.lse[at]) : __int_as_float(0x7f800000);
+    lse[ltid] = live ? lse_of(p.lse[at]) : __int_as_float(0x7f800000);
     lse[ROWS + ltid] = live ? p.delta[at] : 0.f;
+    lse[2 * ROWS + ltid] = live ? p.magnitude[at] : 0.f;
   }
 }
 
@@ -231,8 +233,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float* const scalars = reinterpret_cast<float*>(
       smem + (sbase - fa_smem_u32(smem)) + 2 * kBlockBytes + kStages * 2 * kStepBytes +
       FA_ATOMIC_DQ * (kDsBuffers * kDsBytes + kDqStageBytes));
-  auto s_lse = [&](int st) { return scalars + st * 2 * kStep; };  // then D
-  const unsigned bars = fa_smem_u32(scalars + kStages * 2 * kStep);
+  auto s_lse = [&](int st) { return scalars + st * 3 * kStep; };  // then D, magnitude
+  const unsigned bars = fa_smem_u32(scalars + kStages * 3 * kStep);
   const unsigned kv_full = bars;
   auto q_full = [&](int st) { return bars + 8 + st * 8; };
   auto q_empty = [&](int st) { return bars + 8 + (kStages + st) * 8; };
@@ -324,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     reg_fence<kNs * 4>(&s[0][0]);
     reg_fence<kNs * 4>(&dp[0][0]);
 
-    // LSE_2 and D of this thread's query columns 8 j + 2 t4 and + 1, in pairs.
+    // LSE and D of this thread's query columns 8 j + 2 t4 and + 1, in pairs.
     const float2* lse = reinterpret_cast<const float2*>(s_lse(st)) + t4;
     fa_if_whole(fa_all_visible(p.rules, q_len, kv_len, i0, i0 + kStep, wk0, wk1), [&](bool whole) {
 #pragma unroll
@@ -338,6 +340,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                       e & 1 ? d.y : d.x, &s[j][e], &dp[j][e]);
         }
       }
+    });
+    fa_one_hot_rounding(s, dp, p.H, [&](int j, int e) {
+      return s_lse(st)[2 * kStep + 8 * j + 2 * t4 + (e & 1)];
     });
     unsigned pa[kStep / 16][4], da[kStep / 16][4];
 #pragma unroll
@@ -409,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   auto sv = [&](int st) { return sk(st) + kStepBytes; };
   float* const s_lse = reinterpret_cast<float*>(smem + (sbase - fa_smem_u32(smem)) +
                                                 2 * kBlockBytes + kStages * 2 * kStepBytes);
-  const unsigned bars = fa_smem_u32(s_lse + 2 * kBr);  // after LSE and D
+  const unsigned bars = fa_smem_u32(s_lse + 3 * kBr);  // after LSE, D and magnitude
   const unsigned q_full = bars;
   auto kv_full = [&](int st) { return bars + 8 + st * 8; };
   auto kv_empty = [&](int st) { return bars + 8 + (kStages + st) * 8; };
@@ -451,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   zero(dq);
   if (blk.t_end > blk.t_begin) {
     mbar_acquire(q_full, 0);
-    const float lse2[2] = {s_lse[r0 + g], s_lse[r0 + g + 8]};
+    const float lse[2] = {s_lse[r0 + g], s_lse[r0 + g + 8]};
     const float delta[2] = {s_lse[kBr + r0 + g], s_lse[kBr + r0 + g + 8]};
     for (int tile = blk.t_begin; tile < blk.t_end; ++tile) {
       const int u = tile - blk.t_begin, st = u % kStages, ph = (u / kStages) & 1;
@@ -471,10 +476,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           for (int e = 0; e < 4; ++e) {
             const int i = w0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
             const bool seen = whole || fa_visible(p.rules, q_len, kv_len, i, key);
-            float pe;
-            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse2[e >> 1], delta[e >> 1],
-                        &pe, &dp[j][e]);
+            prob_and_ds(p, s[j][e], dp[j][e], seen, b, n, i, key, lse[e >> 1], delta[e >> 1],
+                        &s[j][e], &dp[j][e]);
           }
+      });
+      fa_one_hot_rounding(s, dp, p.H, [&](int, int e) {
+        return s_lse[2 * kBr + r0 + g + 8 * (e >> 1)];
       });
       unsigned da[kStep / 16][4];
 #pragma unroll

@@ -69,7 +69,7 @@ struct FaOperands {
 // last one to finish merges. Null pointers when nothing is split.
 struct FaSplitKV {
   float* partial_out;  // (slots, rows, H): each segment's normalized rows
-  float* partial_lse;  // (slots, rows): their LSE, log2 domain
+  float* partial_lse;  // (slots, rows): their LSE (natural, as lse's)
   unsigned* counters;  // (units): segments finished, zero between launches
   int parts;           // forward: splits per unit (1: none); decode: blocks
                        // of the lean partition
@@ -87,12 +87,13 @@ struct FaParams : FaOperands {
 
 // The backward kernels' (attention_backward.cu): the forward's operands and
 // lse, the cotangent d_out (out's layout: out_stride), D = rowsum(dO o O) -
-// dLSE (lse's layout), and the gradients: dq in out's layout, dk and dv in
+// dLSE and rowsum(|dO o O|) (lse's layout), and the gradients: dq in out's layout, dk and dv in
 // dkv_stride's, all of FA_OUT_DTYPE. `out` itself is not read; split.parts
 // is 1.
 struct FaGradParams : FaParams {
   const void* d_out;
   const float* delta;
+  const float* magnitude;  // lse's layout; read only where P = 1 (attention_grad.cuh)
   void* dq;
   void* dk;
   void* dv;
@@ -186,16 +187,10 @@ __device__ __forceinline__ long long fa_at(const long long (&stride)[3], int b, 
   return b * stride[0] + t * stride[1] + n * stride[2];
 }
 
-// 2^x and log2(x), the fast hardware approximations the softmax runs on.
+// 2^x, the fast hardware approximation the softmax runs on.
 __device__ __forceinline__ float fa_ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float fa_lg2(float x) {
-  float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -214,7 +209,7 @@ __device__ __forceinline__ float fa_tanh(float x) {
 // Only for FA_EXTRAS kernels; the others take x * scale.
 __device__ __forceinline__ float fa_extras_logit(const FaParams& p, float qk,
                                                  int b, int n, int i, int j) {
-  float x = qk * p.rules.scale;
+  float x = __fmul_rn(qk, p.rules.scale);  // rounded on its own, as the backward's
   if (p.rules.softcap > 0.f) x = p.rules.softcap * fa_tanh(x / p.rules.softcap);
   if (p.bias) {
     x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] +
@@ -280,6 +275,39 @@ __device__ __forceinline__ unsigned fa_pack_in(float lo, float hi) {
 
 constexpr float kFaLog2e = 1.4426950408889634f;
 constexpr float kFaLn2 = 0.6931471805599453f;
+
+// The softmax's units, one convention for every kernel, forward and backward
+// (the CPU kernel's too): a logit x = scale q.k (soft-capped, biased) is
+// natural; a row's maximum m is subtracted in those units and only the
+// difference goes to log2 units for ex2, p = 2^((x - m) log2 e); the LSE is
+// m + ln(l), natural. So a row's largest logit gets p = 1 exactly, and the
+// backward's P = 2^((x - LSE) log2 e) is exactly 1 where the forward's was
+// (a row's only key) at any magnitude: subtracting in log2 units instead
+// (2^(x log2 e - m2), one fma) leaves the rounding of x log2 e, which
+// logits of 1e3 to 1e5 turn into errors of P of 1e-4 to 1e-2, and dQ
+// multiplies them by the scale. Kernels without extras keep raw q.k and raw
+// maxima (scale > 0 commutes with the maximum), x - m = (s - m_s) scale:
+// their units are fa_units(scale); those with extras keep natural logits,
+// fa_units(1).
+struct FaUnits {
+  float to_nat;   // kept logits and maxima, times this: natural logits
+  float to_log2;  // to_nat * log2(e)
+};
+
+__device__ __forceinline__ FaUnits fa_units(float to_nat) { return {to_nat, to_nat * kFaLog2e}; }
+
+// 2^((x - m) to_log2): the weight of a kept logit x against the kept
+// maximum m (both finite, or x = -inf: 0).
+__device__ __forceinline__ float fa_weight(float x, float m, float to_log2) {
+  return fa_ex2((x - m) * to_log2);
+}
+
+// The natural LSE of a row of kept maximum m and sum l (-inf where l = 0:
+// no visible key). Once per row, so logf, exact at l = 1 where lg2.approx
+// is not (and a row's only key would get P = 1 - 2^-24).
+__device__ __forceinline__ float fa_lse(float m, float l, float to_nat) {
+  return l == 0.f ? FA_NEG_INF : __fmul_rn(m, to_nat) + logf(l);
+}
 
 // out[at .. at + 3] in FA_OUT_DTYPE.
 __device__ __forceinline__ void fa_store_quad(void* out, long long at, const float (&x)[4]) {

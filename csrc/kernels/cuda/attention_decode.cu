@@ -14,8 +14,7 @@
 // next, so no multiprocessor idles while others finish (with one block per
 // (b, kvh, split) instead, B = 8, S = 64K on the H100 kept 128 of 132 busy).
 // Its kWarps warps take turns over a segment's keys and each keeps its own
-// online softmax (FlashAttention-2, log2 domain, q . k scaled by scale *
-// log2(e)). Two builds of that walk:
+// online softmax (FlashAttention-2). Two builds of that walk:
 //
 // Build 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies tiles
 // of kTileKeys keys into its own shared-memory ring with cp.async, one tile
@@ -33,7 +32,12 @@
 //
 // The elementwise mask runs only on a segment's last keys, or when there are
 // per-row rules (causal among T > 1 rows, windows). The warps' softmaxes are
-// merged by their maxima through shared memory. A segment that is its unit's
+// merged by their maxima through shared memory. Build 80 keeps its logits
+// and maxima in attention_common.cuh's units (FaUnits), the backward's, whose
+// tensor-core sums its own equal bit for bit; build 75 keeps them in log2
+// units (q scaled by scale log2 e up front, one subtraction per logit), as
+// its sums on CUDA cores are not the backward's anyway. The LSE is natural
+// in both. A segment that is its unit's
 // whole walk writes out and lse; the others write their partial state, and
 // the last of a unit's segments to finish merges them (attention_split.cuh).
 // On sm_90 the host launches a unit's segments (up to 8) as one thread block
@@ -108,11 +112,11 @@ struct alignas(16) Chunk {
 // (m, l) of two online softmaxes over disjoint keys -> the merged one; the
 // weights a and c to apply to their O.
 __device__ __forceinline__ void merge_stats(float& m, float& l, float m_o, float l_o, float& a,
-                                            float& c) {
+                                            float& c, float to_log2) {
   const float mx = fmaxf(m, m_o);
   const float mu = mx == FA_NEG_INF ? 0.f : mx;  // both empty: weights 0, not NaN
-  a = fa_ex2(m - mu);
-  c = fa_ex2(m_o - mu);
+  a = fa_weight(m, mu, to_log2);
+  c = fa_weight(m_o, mu, to_log2);
   l = l * a + l_o * c;
   m = mx;
 }
@@ -122,8 +126,9 @@ __device__ __forceinline__ void merge_stats(float& m, float& l, float m_o, float
 struct DecodeBlock {
   int b, kvh, G, rows, kv_len, k0, k1;
   bool per_row;      // rules beyond [k0, k1): causal among several rows, windows
-  float scale2;      // scale * log2(e): q . k to the log2 domain
-  float softcap2;    // softcap * log2(e) (0: none)
+  // Build 80: fa_units(scale), or fa_units(1) under a soft cap; build 75:
+  // log2 units, {ln 2, 1}.
+  FaUnits units;
   const unsigned short* k_head;  // key 0 of head kvh; keys key_stride apart
   const unsigned short* v_head;
   long long key_stride;
@@ -138,9 +143,19 @@ struct DecodeBlock {
   __device__ long long lse_at(const FaDecodeParams& p, int r) const {
     return fa_at(p.lse_stride, b, r / G, kvh * G + r % G);
   }
-  // Logit x of row r and key j: soft cap, then the index rules on `edge`.
+  // The kept logit of row r and key j from the dot product (build 80: raw
+  // q . k, soft-capped as the backward does it; build 75: already in log2
+  // units), then the index rules on `edge`.
   __device__ float logit(const FaDecodeParams& p, float x, int r, int j, bool edge) const {
-    if (softcap2 > 0.f) x = softcap2 * fa_tanh(x / softcap2);
+    if (p.rules.softcap > 0.f) {
+#if FA_KERNEL_SM >= 80
+      x = __fmul_rn(x, p.rules.scale);
+      x = p.rules.softcap * fa_tanh(x / p.rules.softcap);
+#else
+      const float cap2 = p.rules.softcap * kFaLog2e;
+      x = cap2 * fa_tanh(x / cap2);
+#endif
+    }
     if (edge && !(j < k1 && (!per_row || fa_visible(p.rules, p.T, kv_len, r / G, j)))) {
       x = FA_NEG_INF;
     }
@@ -155,8 +170,8 @@ __device__ __forceinline__ unsigned ring_at(int j, int c) {
 }
 
 // Walks the block's keys on tensor cores (see the top of the file) and leaves
-// each warp's unnormalized O rows in s_o[warp], its row maxima and sums
-// (log2 domain) in s_m[warp] and s_l[warp].
+// each warp's unnormalized O rows in s_o[warp], its row maxima (kept units,
+// FaUnits) and sums in s_m[warp] and s_l[warp].
 __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeBlock& d,
                                           float (*s_o)[kRows][kH], float (*s_m)[kRows],
                                           float (*s_l)[kRows], Chunk* smem) {
@@ -232,18 +247,18 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     float x[4], mx = m;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[i] = d.logit(p, s[i / 2][i % 2] * d.scale2, g, key0 + 8 * (i / 2) + 2 * t4 + i % 2, edge);
+      x[i] = d.logit(p, s[i / 2][i % 2], g, key0 + 8 * (i / 2) + 2 * t4 + i % 2, edge);
       mx = fmaxf(mx, x[i]);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float mu = mx == FA_NEG_INF ? 0.f : mx;
-    const float alpha = fa_ex2(m - mu);
+    const float alpha = fa_weight(m, mu, d.units.to_log2);
     m = mx;
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[i] = fa_ex2(x[i] - mu);
+      x[i] = fa_weight(x[i], mu, d.units.to_log2);
       sum += x[i];
     }
     l = l * alpha + sum;
@@ -309,9 +324,9 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       c = *reinterpret_cast<const Chunk*>(static_cast<const unsigned short*>(p.q) + at);
     }
     unpack(c, q[r]);
-    // Logits in the log2 domain straight from the dot product.
+    // Logits in log2 units straight from the dot product.
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[r][e] *= d.scale2;
+    for (int e = 0; e < 8; ++e) q[r][e] *= p.rules.scale * kFaLog2e;
   }
 
   float m[kRows], l[kRows], o[kRows][8];
@@ -373,7 +388,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) mx = fmaxf(mx, x[u][r]);
       const float mu = mx == FA_NEG_INF ? 0.f : mx;
-      const float alpha = fa_ex2(m[r] - mu);
+      const float alpha = fa_ex2(m[r] - mu);  // log2 units
       m[r] = mx;
       l[r] *= alpha;
 #pragma unroll
@@ -401,7 +416,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     for (int r = 0; r < kRows; ++r) {
       float a, c;
       merge_stats(m[r], l[r], __shfl_xor_sync(0xffffffffu, m[r], off),
-                  __shfl_xor_sync(0xffffffffu, l[r], off), a, c);
+                  __shfl_xor_sync(0xffffffffu, l[r], off), a, c, d.units.to_log2);
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[r][e] = o[r][e] * a + __shfl_xor_sync(0xffffffffu, o[r][e], off) * c;
     }
@@ -448,8 +463,11 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   d.rows = p.T * d.G;
   d.per_row = (p.rules.causal && p.T > 1) || p.rules.window_left >= 0 ||
               p.rules.window_right >= 0;
-  d.scale2 = p.rules.scale * kFaLog2e;
-  d.softcap2 = p.rules.softcap * kFaLog2e;
+#if FA_KERNEL_SM >= 80
+  d.units = fa_units(p.rules.softcap > 0.f ? 1.f : p.rules.scale);
+#else
+  d.units = FaUnits{kFaLn2, 1.f};
+#endif
   d.key_stride = p.kv_stride[1];
 
   // The block's walk through the lean partition: the steps (kBc
@@ -535,7 +553,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     __syncthreads();
 
     // The segment's rows, four columns per thread: normalized O and the
-    // log2-domain LSE, final when the segment is the unit's whole walk.
+    // LSE, final when the segment is the unit's whole walk.
     const bool whole = s_lean.s0 == 0 && s_lean.end - s_lean.start >= s_lean.unit_steps;
     const int unit = d.b * p.K + d.kvh;
     const long long slot = (long long)blockIdx.x + unit;
@@ -548,23 +566,23 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
       for (int f = 0; f < 4; ++f) x[f] = s_o[0][r][e + f];
 #pragma unroll
       for (int w = 1; w < kWarps; ++w) {
-        merge_stats(mx, sum, s_m[w][r], s_l[w][r], a, c);
+        merge_stats(mx, sum, s_m[w][r], s_l[w][r], a, c, d.units.to_log2);
 #pragma unroll
         for (int f = 0; f < 4; ++f) x[f] = x[f] * a + s_o[w][r][e + f] * c;
       }
       const float inv = sum == 0.f ? 0.f : 1.f / sum;
-      const float lse2 = sum == 0.f ? FA_NEG_INF : mx + fa_lg2(sum);
+      const float lse = fa_lse(mx, sum, d.units.to_nat);
 #pragma unroll
       for (int f = 0; f < 4; ++f) x[f] *= inv;
       if (whole) {
         fa_store_quad(p.out, d.out_at(p, r) + e, x);
-        if (e == 0) p.lse[d.lse_at(p, r)] = lse2 * kFaLn2;
+        if (e == 0) p.lse[d.lse_at(p, r)] = lse;
       } else if (clustered()) {
         const int rank = blockIdx.x % s_lean.cluster;
         fa_store_rank0(fa_rank0_address(&slot_o[rank][r][e]), x);
-        if (e == 0) fa_store_rank0(fa_rank0_address(&slot_lse[rank][r]), lse2);
+        if (e == 0) fa_store_rank0(fa_rank0_address(&slot_lse[rank][r]), lse);
       } else {
-        fa_store_partial(p.split, p.H, slot, kRows, r, e, x, lse2);
+        fa_store_partial(p.split, p.H, slot, kRows, r, e, x, lse);
       }
     }
     if (!whole && !clustered()) {
@@ -597,8 +615,8 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     // The block's one segment (of unit d.b, d.kvh) is in rank 0's slots.
     fa_cluster_sync();
     if (blockIdx.x % s_lean.cluster == 0) {
-      auto load = [&](int k, int r, int e, float& lse2, float(&x)[4]) {
-        lse2 = slot_lse[k][r];
+      auto load = [&](int k, int r, int e, float& lse, float(&x)[4]) {
+        lse = slot_lse[k][r];
 #pragma unroll
         for (int f = 0; f < 4; ++f) x[f] = slot_o[k][r][e + f];
       };

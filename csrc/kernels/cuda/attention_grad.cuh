@@ -24,15 +24,19 @@ __device__ __forceinline__ void fa_if_whole(bool whole, Body&& body) {
 }
 
 // P and dS of one (row i, key j) from the raw products qk = q . k and dp =
-// dO . v: P = e^(logit - LSE), dS = P (dp - D) times the soft cap's
-// derivative 1 - tanh^2 (FA_EXTRAS: logit = softcap tanh(scale qk / softcap)
-// + bias, and a false mask hides the pair; else logit = scale qk). `seen`:
-// the index rules show key j to row i.
+// dO . v, in attention_common.cuh's units (FaUnits), as the forward
+// computed them: logit x = scale qk (FA_EXTRAS: then softcap tanh(x /
+// softcap), + bias, and a false mask hides the pair), P = e^(x - LSE), so
+// exactly 1 where the forward's was; dS = P (dP - D) times the soft cap's
+// derivative 1 - tanh^2 (then fa_one_hot_rounding over the tile). `seen`:
+// the index rules show key j to row i; `lse`: lse_of the row's.
 __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, float dp, bool seen,
-                                            int b, int n, int i, int j, float lse2, float delta,
+                                            int b, int n, int i, int j, float lse, float delta,
                                             float* pe, float* ds) {
+  // Rounded on its own (no fma with what follows), as the forward rounds it.
+  float x = __fmul_rn(qk, p.rules.scale);
 #if FA_EXTRAS
-  float x = qk * p.rules.scale, slope = 1.f;
+  float slope = 1.f;
   if (seen && p.rules.softcap > 0.f) {
     const float t = fa_tanh(x / p.rules.softcap);
     x = p.rules.softcap * t;
@@ -46,12 +50,41 @@ __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, flo
     seen = p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] + i * p.mask_strides[2] +
                   j * p.mask_strides[3]];
   }
-  *pe = seen ? fa_ex2(fmaf(x, kFaLog2e, -lse2)) : 0.f;
-  *ds = seen ? *pe * (dp - delta) * slope : 0.f;
 #else
-  *pe = seen ? fa_ex2(fmaf(qk, p.rules.scale * kFaLog2e, -lse2)) : 0.f;
-  *ds = seen ? *pe * (dp - delta) : 0.f;
+  constexpr float slope = 1.f;
 #endif
+  *pe = seen ? fa_weight(x, lse, kFaLog2e) : 0.f;
+  *ds = seen ? *pe * (dp - delta) * slope : 0.f;
+}
+
+// attention_rules.h's one-hot rounding over a tile of a thread's P and dS
+// (prob_and_ds's); magnitude_of(j, e): the caller's rowsum(|dO o O|) of
+// entry (j, e)'s row (fa_magnitude_of). Where P = 1, O = V_j, so that is
+// sum_h |dO_h V_jh|, and a dS within fa_one_hot_tolerance(H) of it becomes 0 (within it times the soft cap's
+// derivative, which dS carries: at most the same absolute amount). A pass
+// of its own after the tile's probabilities, and a branch taken only by a
+// thread holding some P = 1 (a row's only visible key, or logits far apart),
+// so the hot loop keeps its registers.
+template <int kJ, int kE, class MagnitudeOf>
+__device__ __forceinline__ void fa_one_hot_rounding(const float (&pr)[kJ][kE],
+                                                    float (&ds)[kJ][kE], int H,
+                                                    MagnitudeOf magnitude_of) {
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int e = 0; e < kE; ++e) any = any || (pr[j][e] == 1.f && ds[j][e] != 0.f);
+  if (!any) return;
+  const float tol = fa_one_hot_tolerance(H);
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      if (pr[j][e] != 1.f || ds[j][e] == 0.f) continue;
+      const float m = magnitude_of(j, e);
+      // A NaN or Inf (dO or V) is never rounded away.
+      if (m < __int_as_float(0x7f800000) && fabsf(ds[j][e]) <= tol * m) ds[j][e] = 0.f;
+    }
 }
 
 // Elements at and after `at` (even) of a gradient array of FA_OUT_DTYPE.
@@ -128,9 +161,20 @@ __device__ __forceinline__ void fa_first_step(const FaParams& p, const FaKeyBloc
   if (n < k.n_end) fa_next_step(p, k, rows, n, i0);
 }
 
-// LSE in the log2 domain, +inf for a row that sees no key (P = 0 there).
-__device__ __forceinline__ float lse2_of(float lse) {
-  return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse * kFaLog2e;
+// The magnitude_of of fa_one_hot_rounding for kernels that read it from
+// global memory: rows row_of(j, e) of head n of batch b.
+template <class RowOf>
+__device__ __forceinline__ auto fa_magnitude_of(const FaGradParams& p, int b, int n,
+                                                RowOf row_of) {
+  const float* magnitude = p.magnitude + fa_at(p.lse_stride, b, 0, n);
+  const long long stride = p.lse_stride[1];
+  return [=](int j, int e) { return magnitude[row_of(j, e) * stride]; };
+}
+
+// A row's LSE as prob_and_ds takes it: +inf for a row that sees no key (P =
+// 0 there).
+__device__ __forceinline__ float lse_of(float lse) {
+  return lse == FA_NEG_INF ? __int_as_float(0x7f800000) : lse;
 }
 
 }  // namespace

@@ -132,17 +132,17 @@ __device__ __forceinline__ void fa_mask_rows(const FaRules& rules, float (&s)[kN
 
 // The probabilities of one online-softmax step for rows row0 and row0 + 8
 // over the key tile at n0: turns the Q K^T accumulators s into probabilities
-// (log2 domain, one ex2 per logit), updates the row maximum m and partial sum
+// (one ex2 per logit, fa_weight), updates the row maximum m and partial sum
 // l, and returns in alpha the factor the output rows must be rescaled by
 // (fa_rescale_rows). Variants without extras (FA_EXTRAS 0) keep unscaled
-// logits and maxima, to_log2 = scale * log2(e) > 0 taking them to the log2
-// domain in the same fma that subtracts the maximum; those with extras map
-// each visible logit through fa_extras_logit first and pass to_log2 = 1.
+// logits and maxima, units fa_units(scale); those with extras map each
+// visible logit through fa_extras_logit first, units fa_units(1)
+// (attention_common.cuh's FaUnits).
 template <int kNs>
 __device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[kNs][4],
                                                  float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], int b, int n, int row0,
-                                                 int n0, int t4, float to_log2) {
+                                                 int n0, int t4, const FaUnits& u) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     [[maybe_unused]] const int i = row0 + h * 8;
@@ -155,8 +155,7 @@ __device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[k
 #if FA_EXTRAS
         // Masked keys stay -inf; bias / mask are read only for visible
         // (i, j), the only ones in bounds.
-        if (x != FA_NEG_INF)
-          x = fa_extras_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e) * kFaLog2e;
+        if (x != FA_NEG_INF) x = fa_extras_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e);
         s[nt][2 * h + e] = x;
 #endif
         mx = fmaxf(mx, x);
@@ -168,15 +167,14 @@ __device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[k
     // A row with nothing visible yet keeps every exponent at -inf: subtract 0
     // rather than -inf so they give 0, not NaN.
     const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-    alpha[h] = fa_ex2((m[h] - m_use) * to_log2);
+    alpha[h] = fa_weight(m[h], m_use, u.to_log2);
     m[h] = m_new;
-    const float m_log2 = m_use * to_log2;
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = fa_ex2(fmaf(s[nt][2 * h + e], to_log2, -m_log2));
+        const float pe = fa_weight(s[nt][2 * h + e], m_use, u.to_log2);
         s[nt][2 * h + e] = pe;
         sum += pe;
       }
@@ -203,9 +201,9 @@ template <int kNs, int kNo>
 __device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kNs][4],
                                                 float (&o)[kNo][4], float (&m)[2],
                                                 float (&l)[2], int b, int n, int row0,
-                                                int n0, int t4, float to_log2) {
+                                                int n0, int t4, const FaUnits& u) {
   float alpha[2];
-  fa_softmax_probs(p, s, m, l, alpha, b, n, row0, n0, t4, to_log2);
+  fa_softmax_probs(p, s, m, l, alpha, b, n, row0, n0, t4, u);
   fa_rescale_rows(o, alpha);
 }
 
@@ -229,7 +227,7 @@ template <int kNo>
 __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o)[kNo][4],
                                               const float (&m)[2], const float (&l)[2],
                                               int b, int n, int m0, int Br, int row0,
-                                              int t4, float to_log2, long long slot) {
+                                              int t4, const FaUnits& u, long long slot) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lh = l[h];
@@ -237,12 +235,12 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
     lh += __shfl_xor_sync(0xffffffffu, lh, 2);
     const int i = row0 + h * 8;
     const float inv = lh == 0.f ? 0.f : 1.f / lh;
-    const float lse2 = lh == 0.f ? FA_NEG_INF : m[h] * to_log2 + fa_lg2(lh);
+    const float lse = fa_lse(m[h], lh, u.to_nat);
     if (i >= p.T) continue;
     if (slot >= 0) {
       const long long row = slot * Br + i - m0;
       float* dst = p.split.partial_out + row * p.H;
-      if (t4 == 0) p.split.partial_lse[row] = lse2;
+      if (t4 == 0) p.split.partial_lse[row] = lse;
 #pragma unroll
       for (int nt = 0; nt < kNo; ++nt) {
         const int col = nt * 8 + 2 * t4;
@@ -253,7 +251,7 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
       }
       continue;
     }
-    if (t4 == 0) p.lse[fa_at(p.lse_stride, b, i, n)] = lse2 * kFaLn2;
+    if (t4 == 0) p.lse[fa_at(p.lse_stride, b, i, n)] = lse;
     const long long at = fa_at(p.out_stride, b, i, n);
 #pragma unroll
     for (int nt = 0; nt < kNo; ++nt) {

@@ -5,7 +5,7 @@
 // Each block owns Br query rows of one (batch, head) and walks the key tiles
 // [lo, hi) that the tiling-mask says it can see, Bc keys at a time. Each warp
 // owns 16 * kMt of the rows: S = Q K^T lands in mma accumulators, the online
-// softmax runs on them in float32 (log2 domain, so one ex2 per logit), and
+// softmax runs on them in float32 (one ex2 per logit, FaUnits), and
 // they are repacked in registers as the A operand of P V. Only tiles that
 // straddle a causal / window / length edge pay for per-element masking.
 //
@@ -118,10 +118,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     row_l[mt][0] = row_l[mt][1] = 0.f;
   }
   // Variants without extras keep raw Q K^T logits and their row maxima
-  // (scale > 0, so the maxima commute with scaling): one fma per element
-  // takes a logit to the log2 domain and subtracts the maximum. Those with
-  // extras have already mapped every logit to the log2 domain.
-  const float to_log2 = FA_EXTRAS ? 1.f : p.rules.scale * kFaLog2e;
+  // (scale > 0, so the maxima commute with scaling); those with extras map
+  // every logit to its natural value first (FaUnits).
+  const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);
 
   if (t_end > t_begin) {
     const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) + fa_at(p.q_stride, b, m0, n),
@@ -210,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int mt = 0; mt < kMt; ++mt)
           fa_softmax_step(p, s[mt], o[mt], row_m[mt], row_l[mt], b, n, w0 + mt * 16 + g, n0,
-                          t4, to_log2);
+                          t4, units);
       }
 
 #if FA_KERNEL_SM == 75
@@ -259,5 +258,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)
     fa_write_rows(p, o[mt], row_m[mt], row_l[mt], end.b, end.n, end.m0, kBr, w0 + mt * 16 + g,
-                  t4, to_log2, slot);
+                  t4, units, slot);
 }

@@ -24,14 +24,14 @@
 #include "attention_common.cuh"
 
 // Writes row r of a segment's partial state: the normalized O columns
-// [e, e + 4) and, once per row (e == 0), the log2-domain LSE.
+// [e, e + 4) and, once per row (e == 0), the LSE (natural).
 __device__ __forceinline__ void fa_store_partial(const FaSplitKV& s, int H, long long slot,
                                                  int rows, int r, int e, const float (&x)[4],
-                                                 float lse2) {
+                                                 float lse) {
   float* dst = s.partial_out + (slot * rows + r) * H + e;
 #pragma unroll
   for (int f = 0; f < 4; ++f) dst[f] = x[f];
-  if (e == 0) s.partial_lse[slot * rows + r] = lse2;
+  if (e == 0) s.partial_lse[slot * rows + r] = lse;
 }
 
 // Counts a finished segment of a unit of `segments` in *counter; true in the
@@ -72,11 +72,11 @@ __device__ __forceinline__ void fa_load_l2(const float* ptr, float (&x)[4]) {
 }
 
 // Segment k's row r in the workspace, slots first + k, of a unit of `rows`
-// rows: load(k, r, e, lse2, x) reads its LSE and O columns [e, e + 4).
+// rows: load(k, r, e, lse, x) reads its LSE and O columns [e, e + 4).
 __device__ __forceinline__ auto fa_workspace_slots(const FaSplitKV& s, long long first, int rows,
                                                    int H) {
-  return [=](int k, int r, int e, float& lse2, float(&x)[4]) {
-    lse2 = fa_load_l2(s.partial_lse + (first + k) * rows + r);
+  return [=](int k, int r, int e, float& lse, float(&x)[4]) {
+    lse = fa_load_l2(s.partial_lse + (first + k) * rows + r);
     fa_load_l2(s.partial_out + ((first + k) * rows + r) * H + e, x);
   };
 }
@@ -97,24 +97,24 @@ __device__ __forceinline__ void fa_merge_segments(const FaOperands& p, Load load
     const int r = i / quads, e = 4 * (i % quads);
     float mx = FA_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s0 = 0; s0 < segments; s0 += kLoads) {
-      float lse2[kLoads], x[kLoads][4];
+      float lse[kLoads], x[kLoads][4];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
-        lse2[k] = FA_NEG_INF;
-        if (s0 + k < segments) load(s0 + k, r, e, lse2[k], x[k]);
+        lse[k] = FA_NEG_INF;
+        if (s0 + k < segments) load(s0 + k, r, e, lse[k], x[k]);
       }
       float m_new = mx;
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k) m_new = fmaxf(m_new, lse2[k]);
+      for (int k = 0; k < kLoads; ++k) m_new = fmaxf(m_new, lse[k]);
       const float mu = m_new == FA_NEG_INF ? 0.f : m_new;  // all empty: weights 0
-      const float alpha = fa_ex2(mx - mu);
+      const float alpha = fa_weight(mx, mu, kFaLog2e);
       sum *= alpha;
 #pragma unroll
       for (int f = 0; f < 4; ++f) acc[f] *= alpha;
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         if (s0 + k < segments) {
-          const float w = fa_ex2(lse2[k] - mu);
+          const float w = fa_weight(lse[k], mu, kFaLog2e);
           sum += w;
 #pragma unroll
           for (int f = 0; f < 4; ++f) acc[f] = fmaf(w, x[k][f], acc[f]);
@@ -126,7 +126,7 @@ __device__ __forceinline__ void fa_merge_segments(const FaOperands& p, Load load
 #pragma unroll
     for (int f = 0; f < 4; ++f) acc[f] *= inv;
     fa_store_quad(p.out, out_at(r) + e, acc);
-    if (e == 0) p.lse[lse_at(r)] = sum == 0.f ? FA_NEG_INF : (mx + fa_lg2(sum)) * kFaLn2;
+    if (e == 0) p.lse[lse_at(r)] = fa_lse(mx, sum, 1.f);
   }
 }
 

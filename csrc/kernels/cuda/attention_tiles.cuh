@@ -245,17 +245,17 @@ FA_TILE_FN int fa_wgmma_backward_dq_stage_bytes(int h) {
 // the stages' Q and dO rows and their LSE and D. Kernel 70: the same in the
 // forward's padded rows (fa_volta_tile_bytes), one stage. Kernel 90: Br = Bc
 // = 128 (two consumer warpgroups of 64), 384 threads; fa_backward_dkdv holds K
-// and V and the stages' Q, dO, LSE and D, and with atomic_dq (dQ added into
+// and V and the stages' Q, dO, LSE, D and rowsum(|dO o O|), and with atomic_dq (dQ added into
 // float32 by bulk reductions; no fa_backward_dq) kFaWgmmaBackwardDsBuffers
 // buffers of one step's dS (the step's rows by the block's 128 keys) and the
-// dQ staging; fa_backward_dq holds Q, dO, LSE and D
+// dQ staging; fa_backward_dq holds Q, dO, LSE, D and rowsum(|dO o O|)
 // and the stages' K and V; then alignment slack and the mbarriers.
 FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
   if (kernel_sm == 90) {
     const int step = fa_wgmma_backward_step(h), stages = kFaWgmmaBackwardStages;
-    const int dkdv = 2 * 128 * h * 2 + stages * (2 * step * h * 2 + 2 * step * 4) +
+    const int dkdv = 2 * 128 * h * 2 + stages * (2 * step * h * 2 + 3 * step * 4) +
                      (atomic_dq ? kFaWgmmaBackwardDsBuffers * step * 128 * 2 + fa_wgmma_backward_dq_stage_bytes(h) : 0);
-    const int dq = 2 * 128 * h * 2 + 2 * 128 * 4 + stages * 2 * step * h * 2;
+    const int dq = 2 * 128 * h * 2 + 3 * 128 * 4 + stages * 2 * step * h * 2;
     return FaTile{128, 128, 3 * 128, (dq > dkdv ? dq : dkdv) + 1024 + 128};
   }
   if (kernel_sm == 70) {

@@ -84,7 +84,8 @@ constexpr bool kOneKV = fa_volta_one_kv(kH);
 // O n-tile (8 columns) of a lane's j-th accumulator; `part` is its column part.
 __device__ __forceinline__ int o_tile(int j, int part) { return volta_col_tile<kHS, kNTO>(j, part); }
 
-// S accumulators -> logits in log2 units. Element e of n-tile j is (row
+// S accumulators -> kept logits (FaUnits: raw q.k without extras, natural
+// logits with them). Element e of n-tile j is (row
 // row0 + (e & 2), key key0 + 8 j + (e & 4) + (e & 1)). Only tiles that
 // fa_all_visible rejects (kMasked) test the index rules, and there hidden
 // elements are set to -inf, not computed: a NaN key stays out of the rows that
@@ -100,9 +101,9 @@ __device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p
       const int i = row0 + (e & 2), key = key0 + j * 8 + (e & 4) + (e & 1);
       const bool vis = !kMasked || fa_visible(p.rules, q_len, kv_len, i, key);
 #if FA_EXTRAS
-      s[j][e] = vis ? fa_extras_logit(p, s[j][e], b, n, i, key) * kFaLog2e : FA_NEG_INF;
+      s[j][e] = vis ? fa_extras_logit(p, s[j][e], b, n, i, key) : FA_NEG_INF;
 #else
-      s[j][e] = vis ? s[j][e] * (p.rules.scale * kFaLog2e) : FA_NEG_INF;
+      if (!vis) s[j][e] = FA_NEG_INF;
 #endif
     }
 }
@@ -146,6 +147,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
   float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
+  const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);
 
   const int t_begin = blk.t_begin, t_end = blk.t_end;
   const int n_begin = t_begin * kBc, n_end = t_end * kBc;
@@ -209,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], shfl_xor2f(mx[r]));
         base[r] = mx[r] == FA_NEG_INF ? 0.f : mx[r];  // no (-inf) - (-inf)
-        const float alpha = fa_ex2(m_run[r] - base[r]);
+        const float alpha = fa_weight(m_run[r], base[r], units.to_log2);
         m_run[r] = mx[r];
         l_run[r] *= alpha;
 #pragma unroll
@@ -220,14 +222,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
           o[j][2 * r + 5] *= alpha;
         }
       }
-      // P = exp2(x - m), rounded to f16 pairs, then the bit-1 exchange above
+      // P = e^(x - m) (fa_weight), rounded to f16 pairs, then the bit-1 exchange above
       // (volta_pack_a).
 #pragma unroll
       for (int j = 0; j < kNTS; ++j) {
         float e_[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          e_[e] = fa_ex2(s[j][e] - base[(e >> 1) & 1]);
+          e_[e] = fa_weight(s[j][e], base[(e >> 1) & 1], units.to_log2);
           l_run[(e >> 1) & 1] += e_[e];
         }
         volta_pack_a(e_, t1, pa[2 * j], pa[2 * j + 1]);
@@ -261,12 +263,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
   // is recomputed rather than kept live across the loop.
   const FaBlock end = fa_block(p, kBr, kBc);
   const long long slot = fa_forward_slot(p, end);
-  float inv[2], lse2[2];
+  float inv[2], lse[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = l_run[r] + shfl_xor2f(l_run[r]);
     inv[r] = l == 0.f ? 0.f : 1.f / l;
-    lse2[r] = l == 0.f ? FA_NEG_INF : m_run[r] + fa_lg2(l);
+    lse[r] = fa_lse(m_run[r], l, units.to_nat);
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -275,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     const bool lse_lane = t1 == 0 && part == 0;
     if (slot >= 0) {
       const long long row = slot * kBr + i - end.m0;
-      if (lse_lane) p.split.partial_lse[row] = lse2[r];
+      if (lse_lane) p.split.partial_lse[row] = lse[r];
       float* orow = p.split.partial_out + row * p.H;
 #pragma unroll
       for (int j = 0; j < kNTO; ++j) {
@@ -290,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
       }
       continue;
     }
-    if (lse_lane) p.lse[fa_at(p.lse_stride, end.b, i, end.n)] = lse2[r] * kFaLn2;
+    if (lse_lane) p.lse[fa_at(p.lse_stride, end.b, i, end.n)] = lse[r];
     char* orow = static_cast<char*>(p.out) +
                  fa_at(p.out_stride, end.b, i, end.n) * (FA_OUT_DTYPE == FA_F32 ? 4 : 2);
 #pragma unroll

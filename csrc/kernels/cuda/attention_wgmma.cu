@@ -156,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
-  const float to_log2 = FA_EXTRAS ? 1.f : p.rules.scale * kFaLog2e;
+  const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);  // FaUnits
 
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
@@ -186,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int n0 = tile * kBc;
     if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
       fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
-    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, to_log2);
+    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
   };
   auto pack = [&]() {
 #pragma unroll
@@ -228,6 +228,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   // The block's unit, recomputed rather than kept live across the loop.
   const FaBlock end = fa_block(p, kBr, kBc);
-  fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, to_log2,
+  fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, units,
                 fa_forward_slot(p, end));
 }
