@@ -124,15 +124,6 @@ def test_hidden_nonfinite_key_reaches_no_gradient_of_rows_that_do_not_see_it(
 
 # --- large logits: the backward's P is the forward's ----------------------------
 
-def _skip_open_on_cuda(impl):
-  """The CUDA paths do not yet recompute the forward's P exactly (issue 37, item 3)."""
-  if resolve_implementation(impl, dtype=jnp.float32, head_dim=64) in cuda.IMPLEMENTATIONS:
-    pytest.skip("open on the CUDA paths (issue 37, item 3): the forward subtracts the row "
-                "maximum in log2 units (p = 2^(x log2 e - m2), not 1 for a row's only key, "
-                "and rounded to 16 bits for P V) and stores the LSE in natural ones, so the "
-                "backward's P and D miss the forward's by that rounding, times the scale")
-
-
 @pytest.mark.parametrize("magnitude", [1e3, 1e4, 1e5])
 @pytest.mark.parametrize("setting", ["window_0", "one_key", "causal", "few_rows", "cap_bias"])
 def test_large_logits_single_visible_key(setting, magnitude, rng, impl):
@@ -142,9 +133,16 @@ def test_large_logits_single_visible_key(setting, magnitude, rng, impl):
   forward's decode path, whose logits are summed in another order); cap_bias:
   window_0 with a soft cap of the magnitude and a bias. On such a row P = 1,
   so its dQ is 0, and so is dK of a key that only such rows see; dV = dO."""
-  _skip_open_on_cuda(impl)
   T_ = 4 if setting == "few_rows" else 70
   q, k, v = tu.qkv(rng, 2, T_, T_, 2, 1, 64)
+  path = resolve_implementation(impl, dtype=q.dtype, head_dim=64)
+  if setting == "few_rows" and path in cuda.IMPLEMENTATIONS:
+    config = attention.AttentionConfig(scale=magnitude / 8, window=(0, 0), implementation=path)
+    plan = cuda.plan(path, config, q.shape, k.shape, q.dtype)
+    if plan["decode_rows"] and plan["kernel_sm"] == 75:
+      pytest.skip(f"{path}: the decode kernel's build 75 sums q . k on CUDA cores, the "
+                  "backward on tensor cores: their logits differ by float32 rounding, which "
+                  "logits of 1e3 to 1e5 turn into P != 1 (docs/design.md, decode kernel)")
   d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   opts = dict(scale=magnitude / 8)
   bias = None
@@ -174,7 +172,6 @@ def test_large_logits_single_visible_key(setting, magnitude, rng, impl):
 def test_single_key_gives_dk_of_zero(rng, impl):
   """S = 1 at ordinary logits: every row's P is 1, dS = 0, so dQ = dK = 0
   (the caller's D = dO . O and the kernel's dP = dO . V differ by rounding)."""
-  _skip_open_on_cuda(impl)
   q, k, v = tu.qkv(rng, 2, 97, 1, 4, 2, 64)
   d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   ours = _grads(impl, q, k, v, d_out)
