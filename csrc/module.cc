@@ -140,12 +140,13 @@ NB_MODULE(_ffi, m) {
         [](int kernel_sm, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int dtype, bool bias, bool mask, bool q_lens, float scale, float softcap,
            int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right,
-           bool backward, bool deterministic, int out_dtype) {
+           bool backward, bool deterministic, int out_dtype, bool for_backward) {
           cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, q_lens,
                           fa_make_rules(scale, softcap, causal, end_aligned, window_left,
                                         window_right),
                           backward, deterministic};
           c.out_dtype = out_dtype;
+          c.for_backward = for_backward;
           cu::CallPlan plan;
           if (std::string why = cu::PlanCall(kernel_sm, c, &plan); !why.empty()) {
             throw nb::value_error(why.c_str());
@@ -162,11 +163,12 @@ NB_MODULE(_ffi, m) {
         nb::arg("q_lens"), nb::arg("scale"), nb::arg("softcap"), nb::arg("causal"),
         nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("backward") = false, nb::arg("deterministic") = false,
-        nb::arg("out_dtype") = -1,
+        nb::arg("out_dtype") = -1, nb::arg("for_backward") = false,
         "The variant and operand layout kernel kernel_sm serves a call (or its backward, "
         "deterministic: with a fixed summation order) "
-        "with; out_dtype: the forward's out dtype code (-1: dtype's); ValueError names why "
-        "it cannot.");
+        "with; out_dtype: the forward's out dtype code (-1: dtype's); for_backward: the "
+        "VJP's forward, whose logits the backward recomputes bit for bit; ValueError names "
+        "why it cannot.");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int cc, int multiprocessors, int blocks_per_sm) {

@@ -254,16 +254,19 @@ def _fused(config, q, k, v, bias, mask, q_lens, kv_lens):
 
 
 def _fused_fwd(config, q, k, v, bias, mask, q_lens, kv_lens):
-  """FlashAttention-2's residuals: the operands, out and lse. For 16-bit
-  inputs the kernel writes out in float32 (``AttentionConfig.float32_out``):
-  the primal is rounded from it and the backward's D reduced from it."""
-  if q.dtype == jnp.float64 or q.dtype == jnp.float32:
+  """FlashAttention-2's residuals: the operands, out and lse, from a forward
+  whose logits the backward recomputes (``AttentionConfig.for_backward``).
+  For 16-bit inputs the kernel writes out in float32
+  (``AttentionConfig.float32_out``): the primal is rounded from it and the
+  backward's D reduced from it."""
+  if q.dtype == jnp.float64:
     out, lse = _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
     return (out, lse), ((q, k, v, bias, mask, q_lens, kv_lens), out, lse)
   operands = [x for x in (q, k, v, bias, mask, q_lens, kv_lens) if x is not None]
-  out32, lse = primitive.bind(dataclasses.replace(config, float32_out=True), *operands)
-  return ((out32.astype(q.dtype), lse),
-          ((q, k, v, bias, mask, q_lens, kv_lens), out32, lse))
+  out, lse = primitive.bind(dataclasses.replace(config, for_backward=True,
+                                                float32_out=q.dtype != jnp.float32), *operands)
+  return ((out.astype(q.dtype), lse),
+          ((q, k, v, bias, mask, q_lens, kv_lens), out, lse))
 
 
 def _fused_bwd(config, residuals, cotangents):

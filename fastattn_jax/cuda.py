@@ -166,7 +166,8 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic,
-      DTYPE_CODES["float32"] if config.float32_out and not backward else -1)
+      DTYPE_CODES["float32"] if config.float32_out and not backward else -1,
+      config.for_backward and not backward)
 
 
 def describe_variant(plan_: dict) -> str:

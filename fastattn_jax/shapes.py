@@ -52,6 +52,11 @@ class AttentionConfig:
       the residual from which the backward's D = rowsum(dO o O) is reduced
       (from the 16-bit-rounded out, D's error times the scale would dominate
       dS once the logits are not small).
+    for_backward: the forward is the VJP's, whose logits the backward
+      recomputes bit for bit (a row's only key keeps P = 1 at any logit
+      size): on the sm70 and sm75 paths it does not take the decode kernel,
+      whose build for them sums q . k on CUDA cores, the backward on tensor
+      cores.
   """
 
   scale: float
@@ -66,6 +71,7 @@ class AttentionConfig:
   implementation: str = "auto"
   deterministic: bool = False
   float32_out: bool = False
+  for_backward: bool = False
 
   @property
   def window_bounds(self) -> tuple[int, int]:

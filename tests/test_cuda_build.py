@@ -11,6 +11,7 @@ which targets sm_70..sm_90 with no GPU or toolkit.
 """
 
 import concurrent.futures
+import dataclasses
 import os
 import subprocess
 import sys
@@ -138,6 +139,23 @@ def test_decode_kernel_reads_bfloat16_on_every_arch(cache):
     plan = cuda.plan(implementation, config, (1, 1, 4, 128), (1, 300, 1, 128), jnp.bfloat16)
     assert plan["decode_rows"] == 4 and plan["kernel_sm"] == 75
     assert plan["operand_dtype"] == DTYPE_CODES["bfloat16"]
+
+
+@pytest.mark.parametrize("implementation, decode", [
+    ("cuda_sm70", False), ("cuda_sm75", False), ("cuda_sm80", True), ("cuda_sm90", True)])
+def test_forward_for_backward_takes_a_kernel_the_backward_recomputes(implementation, decode):
+  """The VJP's forward (AttentionConfig.for_backward) of a decode-shaped call
+  (T * N / K <= 8 rows, no operands): the decode kernel's build 80 sums q . k
+  on tensor cores as the backward does, so the sm80 and sm90 paths keep it;
+  its build 75 sums on CUDA cores, so the sm70 and sm75 paths take their
+  forward kernel, whose logits the backward recomputes bit for bit."""
+  config = AttentionConfig(scale=0.1, window=(0, 0), for_backward=True)
+  plan = cuda.plan(implementation, config, (2, 4, 2, 64), (2, 4, 1, 64), jnp.float32)
+  assert bool(plan["decode_rows"]) == decode
+  assert plan["kernel_sm"] == (80 if decode else cuda.IMPLEMENTATIONS[implementation])
+  plain = cuda.plan(implementation, dataclasses.replace(config, for_backward=False),
+                    (2, 4, 2, 64), (2, 4, 1, 64), jnp.float32)
+  assert plain["decode_rows"] == 8
 
 
 @pytest.mark.parametrize("cc, head_dim, implementation", [

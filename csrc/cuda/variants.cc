@@ -169,7 +169,8 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   }
   const bool operands = c.bias || c.mask || c.q_lens;
   const int rows = fa_decode_rows(c.T * G);
-  if (!operands && c.S > 0 && rows > 0) {
+  if (!operands && c.S > 0 && rows > 0 &&
+      !(c.for_backward && fa_decode_build(kernel_sm) == 75)) {
     // The decode kernel reads bfloat16 on every GPU (its sm75 build on CUDA cores).
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;

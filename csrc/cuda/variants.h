@@ -59,6 +59,10 @@ struct CallShape {
   // so that the backward's D = rowsum(dO o O) sees O unrounded. The backward's
   // gradients are always in dtype.
   int out_dtype = -1;
+  // Forward: the VJP's (AttentionConfig.for_backward), whose logits the
+  // backward must recompute bit for bit: not the decode kernel's build 75,
+  // which sums q . k on CUDA cores where the backward sums on tensor cores.
+  bool for_backward = false;
 };
 
 // How a kernel serves a call.
