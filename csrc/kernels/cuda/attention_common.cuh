@@ -296,12 +296,6 @@ struct FaUnits {
 
 __device__ __forceinline__ FaUnits fa_units(float to_nat) { return {to_nat, to_nat * kFaLog2e}; }
 
-// The forward kernels' units: raw q.k without extras, natural logits with
-// them (fa_extras_logit).
-__device__ __forceinline__ FaUnits fa_forward_units(const FaParams& p) {
-  return fa_units(FA_EXTRAS ? 1.f : p.rules.scale);
-}
-
 // 2^((x - m) to_log2): the weight of a kept logit x against the kept
 // maximum m (both finite, or x = -inf: 0).
 __device__ __forceinline__ float fa_weight(float x, float m, float to_log2) {

@@ -60,9 +60,8 @@ __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, flo
 // attention_rules.h's one-hot rounding over a tile of a thread's P and dS
 // (prob_and_ds's); magnitude_of(j, e): the caller's rowsum(|dO o O|) of
 // entry (j, e)'s row (fa_magnitude_of). Where P = 1, O = V_j, so that is
-// sum_h |dO_h V_jh|, and a dS within fa_one_hot_tolerance(H) of it becomes 0
-// (within it times the soft cap's derivative, which dS carries: at most the
-// same absolute amount). A pass
+// sum_h |dO_h V_jh|, and a dS within fa_one_hot_tolerance(H) of it becomes 0 (within it times the soft cap's
+// derivative, which dS carries: at most the same absolute amount). A pass
 // of its own after the tile's probabilities, and a branch taken only by a
 // thread holding some P = 1 (a row's only visible key, or logits far apart),
 // so the hot loop keeps its registers.

@@ -120,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // Variants without extras keep raw Q K^T logits and their row maxima
   // (scale > 0, so the maxima commute with scaling); those with extras map
   // every logit to its natural value first (FaUnits).
-  const FaUnits units = fa_forward_units(p);
+  const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);
 
   if (t_end > t_begin) {
     const FaTileSrc qsrc{static_cast<const unsigned short*>(p.q) + fa_at(p.q_stride, b, m0, n),

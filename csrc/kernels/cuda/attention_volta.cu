@@ -147,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
   float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
-  const FaUnits units = fa_forward_units(p);
+  const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);
 
   const int t_begin = blk.t_begin, t_end = blk.t_end;
   const int n_begin = t_begin * kBc, n_end = t_end * kBc;

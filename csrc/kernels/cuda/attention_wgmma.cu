@@ -156,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
-  const FaUnits units = fa_forward_units(p);
+  const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);  // FaUnits
 
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
