@@ -1,7 +1,7 @@
 """A small workload for compute-sanitizer: the forward and the fused backward
 of each CUDA path on a few odd shapes that touch every edge of the kernels
 (T and S off the tiles, query/key lengths, causal and window rules, GQA, bias,
-mask and soft cap).
+mask and soft cap, the decode kernel's row groups).
 
 Run under the sanitizer with XLA's platform allocator, so that every buffer is
 its own cudaMalloc and an access past one is caught rather than landing in the
@@ -32,6 +32,10 @@ CASES = (
     (1, 33, 90, 4, 4, 40, {}, False, False, True),
     (2, 65, 129, 4, 2, 96, {"softcap": 20.0}, True, True, True),
     (1, 45, 77, 2, 1, 200, {"is_causal": True}, False, False, True),
+    # 64 and 12 query rows per key/value head over long keys: the sm80 and
+    # sm90 paths' forward is the decode kernel (row groups sharing a ring).
+    (2, 16, 2100, 8, 2, 64, {"softcap": 20.0}, False, False, False),
+    (1, 3, 4099, 4, 1, 128, {}, False, False, False),
 )
 
 #: fast_attention's name of each AttentionConfig rule above.

@@ -128,10 +128,9 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d["max_head_dim"] = kFaMaxHeadDim;
     d["row_align"] = kFaRowAlign;
-    d["max_decode_rows"] = kFaMaxDecodeRows;
     d["kernels"] = std::vector<int>{70, 75, 80, 90};
     return d;
-  }, "Head-dim limit, row alignment (elements), decode rows, kernel names.");
+  }, "Head-dim limit, row alignment (elements), kernel names.");
   m.def("cuda_runs_on", &fa_runs_on, nb::arg("kernel_sm"), nb::arg("cc"),
         "Whether a GPU of compute capability cc (10 * major + minor) runs kernel kernel_sm.");
   m.def("cuda_default_kernel", &cu::DefaultKernel, nb::arg("cc"), nb::arg("head_dim"),

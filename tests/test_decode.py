@@ -209,7 +209,8 @@ def test_split_kv_long_ragged_caches():
     (3, 2, 2, 36, {}),                                 # H padded to a multiple of 8
     (2, 4, 2, 256, {"logits_soft_cap": 5.0}),
     (3, 2, 1, 64, {"local_window_size": (20, 0)}),
-    (1, 16, 1, 64, {}),                                # 16 rows: a prefill kernel, heads folded
+    (1, 16, 1, 64, {}),                                # 16 rows (sm70/sm75: heads folded)
+    (1, 96, 1, 64, {}),                                # 96 rows: a prefill kernel, heads folded
 ])
 def test_decode_shapes_and_options(T, N, K, H, opts):
   """Row counts, head dims and options of the CUDA decode kernel (and of the
@@ -257,14 +258,16 @@ def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, cc=90, *
 
 
 def test_decode_kernel_rules():
-  """Which CUDA calls take the decode kernel (at most 8 query rows per
-  key/value head, no bias, mask or query lengths), and its partition: the
+  """Which CUDA calls take the decode kernel (at most 64 query rows per
+  key/value head on the sm80 path, no bias, mask or query lengths;
+  test_decode_rows has the row rules), and its partition: the
   heads' key steps dealt out evenly to a whole number of blocks per head,
   as many as pay for their fixed cost, a workspace slot per (block, head)
   segment; on sm_90, up to 16 blocks per head become 8 in a cluster."""
   assert _h100_launch(1, 1, 4096, 32, 8, 128)["decode"] == 4
   assert _h100_launch(4, 2, 100, 8, 2, 64)["decode"] == 8
-  assert not _h100_launch(4, 3, 100, 8, 2, 64)["decode"]  # 12 rows: the forward kernels
+  assert _h100_launch(4, 3, 100, 8, 2, 64)["decode"] == 16
+  assert not _h100_launch(4, 17, 100, 8, 2, 64)["decode"]  # 68 rows: the forward kernels
   assert not _h100_launch(1, 1, 4096, 32, 8, 128, bias=True)["decode"]
   assert not _h100_launch(1, 1, 0, 32, 8, 128)["decode"]
   # One sequence, 8 heads: 16 blocks each, one wave of 128 on 132
@@ -295,16 +298,17 @@ def test_decode_kernel_rules():
 def test_forward_split_rule():
   """The forward kernels split each unit (a row block of one head) when the
   units leave a wave of blocks idle: enough for every block to get one, each
-  over at least 256 keys, at most 64; merged by a second launch (no counters)."""
+  over at least 256 keys, at most 64; merged by a second launch (no counters).
+  (80 rows per key/value head: past the decode kernel's 64.)"""
   assert _h100_launch(8, 1024, 4096, 32, 8, 128, blocks_per_sm=2)["parts"] == 1
   # One row block, 8 heads, 64K keys, 264 resident blocks: 33 splits.
-  split = _h100_launch(1, 40, 65536, 8, 8, 128, blocks_per_sm=2)
+  split = _h100_launch(1, 80, 65536, 8, 8, 128, blocks_per_sm=2)
   assert split["units"] == 8 and split["parts"] == 33 and split["blocks"] == 8 * 33
   assert split["slots"] == 8 * 33 and split["counters"] == 0
   assert split["workspace_floats"] == 8 * 33 * split["Br"] * (128 + 1)
-  assert _h100_launch(1, 40, 4096, 8, 8, 128, blocks_per_sm=2)["parts"] == 4096 // 256
-  assert _h100_launch(1, 40, 10 ** 7, 1, 1, 128, blocks_per_sm=2)["parts"] == 64
-  assert _h100_launch(1, 40, 100, 1, 1, 128, blocks_per_sm=2)["parts"] == 1
+  assert _h100_launch(1, 80, 4096, 8, 8, 128, blocks_per_sm=2)["parts"] == 4096 // 256
+  assert _h100_launch(1, 80, 10 ** 7, 1, 1, 128, blocks_per_sm=2)["parts"] == 64
+  assert _h100_launch(1, 80, 100, 1, 1, 128, blocks_per_sm=2)["parts"] == 1
 
 
 def test_multistep_decode_equals_full_attention():

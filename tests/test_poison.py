@@ -44,6 +44,11 @@ CASES = {
                             opts=dict(key_value_seq_lengths=(3001,))),
     "decode_rows": dict(B=3, T=2, S=700, N=4, K=1, H=64, dtype="float16",
                         opts=dict(is_causal=True, key_value_seq_lengths=(700, 0, 1))),
+    # 32 and 64 rows per key/value head: the decode kernel's row groups (two
+    # and four warps share a ring) on build 80, the forward kernels on sm70/75.
+    "decode_32_rows": dict(B=1, T=4, S=4099, N=8, K=1, H=128, dtype="bfloat16"),
+    "decode_64_rows": dict(B=2, T=16, S=1500, N=8, K=2, H=64, dtype="bfloat16",
+                           opts=dict(is_causal=True, key_value_seq_lengths=(1500, 9))),
 }
 
 

@@ -65,9 +65,13 @@ std::string KernelVariant::Check() const {
     return "";
   }
   if (decode_rows) {
-    if (decode_rows != fa_decode_rows(decode_rows)) return "decode_rows must be 1, 2, 4 or 8";
     if ((kernel_sm != 75 && kernel_sm != 80) || extras) {
       return "the decode kernel is built for sm 75 or 80, without extras";
+    }
+    if (decode_rows != fa_decode_rows(kernel_sm, decode_rows)) {
+      return "decode_rows must be a power of two up to " +
+             std::to_string(fa_decode_max_rows(kernel_sm)) + " on decode build " +
+             std::to_string(kernel_sm);
     }
     return "";
   }
@@ -108,13 +112,13 @@ FaTile KernelVariant::Tile(int cc) const {
 int64_t KernelVariant::Key() const {
   // backward above the other fields: the forward variants keep their keys.
   return (((((int64_t{backward} * 128 + kernel_sm) * 1024 + head_dim) * 4 + dtype) * 4 +
-           out_dtype) * 2 + extras) * 16 + decode_rows;
+           out_dtype) * 2 + extras) * 128 + decode_rows;
 }
 
 KernelVariant KernelVariant::FromKey(int64_t key) {
   KernelVariant v;
-  v.decode_rows = static_cast<int>(key % 16);
-  key /= 16;
+  v.decode_rows = static_cast<int>(key % 128);
+  key /= 128;
   v.extras = static_cast<int>(key % 2);
   key /= 2;
   v.out_dtype = static_cast<int>(key % 4);
@@ -168,7 +172,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     return "";
   }
   const bool operands = c.bias || c.mask || c.q_lens;
-  const int rows = fa_decode_rows(c.T * G);
+  const int rows = fa_decode_rows(fa_decode_build(kernel_sm), c.T * G);
   if (!operands && c.S > 0 && rows > 0 &&
       !(c.for_backward && fa_decode_build(kernel_sm) == 75)) {
     // The decode kernel reads bfloat16 on every GPU (its sm75 build on CUDA cores).
@@ -262,7 +266,7 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // head, S = 4K / 64K: 54.8 / 703.2, in clusters 52.8 / 698.4. (With
     // ragged lengths the kernel finds the shares off the clusters' bounds
     // and merges through the workspace.)
-    const int64_t most = fa_decode_cluster_max(v.kernel_sm, cc);
+    const int64_t most = fa_decode_cluster_max(v.kernel_sm, v.decode_rows, cc);
     if (most > 1 && best <= 2 * most) {
       best = std::min(best, most);
       l.cluster = static_cast<int>(best);
@@ -341,7 +345,7 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
             add_kernel(kernel, backward, dtype, h);
           }
         }
-        for (int rows = 1; rows <= kFaMaxDecodeRows; rows *= 2) {
+        for (int rows = 1; rows <= fa_decode_max_rows(fa_decode_build(kernel_sm)); rows *= 2) {
           KernelVariant v;
           v.kernel_sm = fa_decode_build(kernel_sm);
           v.head_dim = fa_kernel_head_dim(v.kernel_sm, h);

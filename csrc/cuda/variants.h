@@ -71,7 +71,7 @@ struct CallPlan {
   int operand_dtype = kFaF16;  // q, k, v are converted to this (when they are not)
   int64_t row_elements = 0;  // H rounded up to kFaRowAlign: the operands' rows
                              // (H itself unless it is not a multiple of 8)
-  // T = 1 with more than kFaMaxDecodeRows query heads per key/value head, and
+  // T = 1 with more query heads per key/value head than the decode kernel holds, and
   // one visibility for them all: the G heads of a key/value head become the
   // rows of a K-head call (T' = G, N' = K), by strides alone.
   bool fold_heads = false;

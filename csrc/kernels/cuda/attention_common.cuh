@@ -20,7 +20,7 @@
 //   FA_EXTRAS     forward kernels: 1 compiles in bias, mask and soft cap
 //                 (each still off when its field is null / 0) and any scale;
 //                 0: none of them, and scale > 0
-//   FA_DECODE_ROWS  the decode kernel's rows per block (1, 2, 4 or 8)
+//   FA_DECODE_ROWS  the decode kernel's rows per block (a power of two, fa_decode_rows)
 //
 // Each kernel source defines
 //   extern "C" __global__ void fa_forward(const FaParams p);

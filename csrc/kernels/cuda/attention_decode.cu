@@ -13,13 +13,15 @@
 // partition, attention_split.cuh): a share may end one unit and start the
 // next, so no multiprocessor idles while others finish (with one block per
 // (b, kvh, split) instead, B = 8, S = 64K on the H100 kept 128 of 132 busy).
-// Its kWarps warps take turns over a segment's keys and each keeps its own
-// online softmax (FlashAttention-2). Two builds of that walk:
+// Its warps take turns over a segment's keys and each keeps its own online
+// softmax (FlashAttention-2); above 16 rows (build 80) the warps of a key
+// group take 16 rows each of the same keys, which they load together into
+// one shared ring (attention_tiles.cuh). Two builds of that walk:
 //
 // Build 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies tiles
 // of kTileKeys keys into its own shared-memory ring with cp.async, one tile
-// ahead, and runs mma.m16n8k16 on them: S = Q K^T with the rows in the first
-// 8 of the 16 A rows (the rest zero), the probabilities repacked in
+// ahead, and runs mma.m16n8k16 on them: S = Q K^T with the rows in the 16 A
+// rows (zeros past the block's rows), the probabilities repacked in
 // registers as the A operand of P V. About 10 warp instructions per key at
 // H = 128, where the lane-split dot products of the CUDA-core walk took 75
 // and made it issue-bound (2.7 TB/s at best on the H100).
@@ -49,11 +51,11 @@
 // The index rules (end-aligned causal among the T rows, window, key lengths)
 // are attention_rules.h's.
 //
-// Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (1, 2,
-// 4 or 8), the rows a block holds; FA_KERNEL_SM 75 or 80, the build. Any
-// scale and the soft cap are handled at run time; bias and mask are not
-// supported (the host never sends them here). H need only be a multiple of 8
-// up to FA_HEAD_DIM.
+// Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (a
+// power of two up to fa_decode_max_rows), the rows a block holds;
+// FA_KERNEL_SM 75 or 80, the build. Any scale and the soft cap are handled
+// at run time; bias and mask are not supported (the host never sends them
+// here). H need only be a multiple of 8 up to FA_HEAD_DIM.
 #include "attention_m16n8.cuh"
 
 namespace {
@@ -68,11 +70,19 @@ constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 // 3, by up to 9% at S = 4K and 1-2% at 256K.
 constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
+// Build 80 above 16 rows: warp w takes rows [16 rg, 16 rg + 16) (rg = w %
+// kRowGroups) of the tiles of key group w / kRowGroups. The block's O rows,
+// maxima and sums are kept per key group.
+constexpr int kRowGroups = fa_decode_row_groups(FA_KERNEL_SM, kRows);
+constexpr int kKeyGroups = kWarps / kRowGroups;
 constexpr int kSmemBytes = kTile.smem_bytes;
 // Most segments of a unit in one cluster (1: no clusters; attention_tiles.cuh).
-constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, kFaCc);
+constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, kRows, kFaCc);
 #if FA_KERNEL_SM >= 80
-constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16 step of P V)
+constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per tile (one k16 step of P V)
+// The m16 tile's halves that hold rows: rows 0..7 of the warp's (g), and
+// 8..15 (g + 8) when the block holds 16 or more.
+constexpr int kHalves = kRows > 8 ? 2 : 1;
 // A key's row in a ring stage (attention_tiles.cuh). Either layout puts the
 // 8 rows of an ldmatrix in 8 distinct bank groups, but padding (rows an odd
 // number of chunks apart) also puts most rows across two 128-byte lines of
@@ -88,7 +98,9 @@ constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per warp per tile (one k16
 constexpr int kRowChunks = fa_decode_row_chunks(kH);
 constexpr bool kSwizzled = kRowChunks == kChunks;
 constexpr int kTileBytes = fa_decode_tile_bytes(kH);  // of K, and again of V
-constexpr int kStages = kFaDecodeStages;
+constexpr int kStages = fa_decode_stages(80, kRows, kH, kFaCc);
+// A warp's 16-byte copies of a tile, of K and again of V.
+constexpr int kCopies = (kTileKeys * kChunks + 32 * kRowGroups - 1) / (32 * kRowGroups);
 #else
 constexpr int kLanesPerKey = fa_decode_lanes_per_key(kH);
 constexpr int kKeysPerWarp = 32 / kLanesPerKey;
@@ -169,43 +181,68 @@ __device__ __forceinline__ unsigned ring_at(int j, int c) {
   return (j * kRowChunks + (kSwizzled ? c ^ (j % 8) : c)) * 16;
 }
 
+// The warps of key group `group` wait for one another (named barrier 1 +
+// group; one warp: __syncwarp).
+__device__ __forceinline__ void group_sync(int group) {
+  if (kRowGroups == 1) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "n"(32 * kRowGroups) : "memory");
+  }
+}
+
 // Walks the block's keys on tensor cores (see the top of the file) and leaves
-// each warp's unnormalized O rows in s_o[warp], its row maxima (kept units,
-// FaUnits) and sums in s_m[warp] and s_l[warp].
+// each key group's unnormalized O rows in s_o[group], its row maxima (kept
+// units, FaUnits) and sums in s_m[group] and s_l[group].
 __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeBlock& d,
                                           float (*s_o)[kRows][kH], float (*s_m)[kRows],
                                           float (*s_l)[kRows], Chunk* smem) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t4 = lane % 4;  // C fragment: row g, keys / columns 2 t4 + {0, 1}
+  const int group = warp / kRowGroups, rg = warp % kRowGroups;
+  // C fragment: row g of the block, keys / columns 2 t4 + {0, 1}.
+  const int g = 16 * rg + lane / 4, t4 = lane % 4;
 
-  // Q as the A operand: row g (if < rows) in A rows 0..7, zeros in 8..15;
-  // qa[kk] = {a0, a2} of k16 step kk.
-  unsigned qa[kH / 16][2];
-  const unsigned short* q_row = static_cast<const unsigned short*>(p.q) + d.q_at(p, g);
+  // Q as the A operand: row g (if < rows) in A rows 0..7, row g + 8 in rows
+  // 8..15 where the block holds 16 rows (else zeros); qa[kk] = {a0, a1, a2,
+  // a3} of k16 step kk.
+  unsigned qa[kH / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < kH / 16; ++kk) {
+  for (int half = 0; half < kHalves; ++half) {
+    const int r = g + 8 * half;
+    const unsigned short* q_row = static_cast<const unsigned short*>(p.q) + d.q_at(p, r);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int h = 16 * kk + 8 * half + 2 * t4;
-      qa[kk][half] = g < d.rows && h < p.H ? *reinterpret_cast<const unsigned*>(q_row + h) : 0u;
+    for (int kk = 0; kk < kH / 16; ++kk) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int h = 16 * kk + 8 * c + 2 * t4;
+        qa[kk][2 * c + half] =
+            r < d.rows && h < p.H ? *reinterpret_cast<const unsigned*>(q_row + h) : 0u;
+      }
     }
   }
+  if (kHalves == 1) {
+#pragma unroll
+    for (int kk = 0; kk < kH / 16; ++kk) qa[kk][1] = qa[kk][3] = 0u;
+  }
 
-  // This warp's tiles: n = 0, 1, ... are the block's tiles n * kWarps + warp.
+  // The key group's tiles: n = 0, 1, ... are the block's tiles n *
+  // kKeyGroups + group.
   const int tiles = d.k1 > d.k0 ? (d.k1 - d.k0 + kTileKeys - 1) / kTileKeys : 0;
-  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
+  const int my_tiles = tiles > group ? (tiles - group + kKeyGroups - 1) / kKeyGroups : 0;
   const int h_chunks = p.H / 8;
-  const unsigned ring = fa_smem_u32(smem) + warp * kStages * 2 * kTileBytes;
-  auto tile_key = [&](int n) { return d.k0 + (n * kWarps + warp) * kTileKeys; };
-  // Copies tile n into ring stage n % kStages (zeros past the keys and past
-  // H), one commit group per call, empty past the last tile.
+  const unsigned ring = fa_smem_u32(smem) + group * kStages * 2 * kTileBytes;
+  auto tile_key = [&](int n) { return d.k0 + (n * kKeyGroups + group) * kTileKeys; };
+  // Copies this warp's part of tile n into ring stage n % kStages (zeros
+  // past the keys and past H), one commit group per call, empty past the
+  // last tile.
   auto issue = [&](int n) {
     if (n < my_tiles) {
       const int key0 = tile_key(n);
       const unsigned stage = ring + (n % kStages) * 2 * kTileBytes;
 #pragma unroll
-      for (int i = 0; i < kTileKeys * kChunks / 32; ++i) {
-        const int at = lane + 32 * i, key = at / kChunks, c = at % kChunks;
+      for (int i = 0; i < kCopies; ++i) {
+        const int at = 32 * (rg + kRowGroups * i) + lane, key = at / kChunks, c = at % kChunks;
+        if (kCopies * 32 * kRowGroups > kTileKeys * kChunks && key >= kTileKeys) break;
         const bool valid = key0 + key < d.k1 && c < h_chunks;
         const long long src = valid ? (key0 + key) * d.key_stride + c * 8 : 0;
         const unsigned dst = stage + ring_at(key, c);
@@ -226,69 +263,88 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
   const int k_key = (lane / 16) * 8 + lane % 8, k_half = (lane / 8) % 2;
   const int v_key = ((lane / 8) % 2) * 8 + lane % 8, v_half = lane / 16;
 
-  float o[kH / 8][4] = {};  // row g in [0..1]; [2..3] are the zero rows 8..15
-  float m = FA_NEG_INF, l = 0.f;  // l: this lane's share of the row sum
+  // C fragments: row g in [0..1], row g + 8 in [2..3] (zero rows unless the
+  // block holds 16). Half `half` of the rows: m[half], l[half] (l: this
+  // lane's share of the row sum).
+  float o[kH / 8][4] = {};
+  float m[kHalves], l[kHalves];
+#pragma unroll
+  for (int half = 0; half < kHalves; ++half) m[half] = FA_NEG_INF, l[half] = 0.f;
   for (int n = 0; n < my_tiles; ++n) {
     issue(n + kStages - 1);
     fa_cp_async_wait<kStages - 1>();
-    __syncwarp();
+    group_sync(group);
     const unsigned kt = ring + (n % kStages) * 2 * kTileBytes, vt = kt + kTileBytes;
     float s[2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kH / 16; ++kk) {
       unsigned b[4];
       fa_ldsm_x4(kt + ring_at(k_key, 2 * kk + k_half), b);
-      const unsigned a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
-      fa_mma16(s[0], a, b[0], b[1]);
-      fa_mma16(s[1], a, b[2], b[3]);
+      fa_mma16(s[0], qa[kk], b[0], b[1]);
+      fa_mma16(s[1], qa[kk], b[2], b[3]);
     }
     const int key0 = tile_key(n);
     const bool edge = d.per_row || key0 + kTileKeys > d.k1;
-    float x[4], mx = m;
+    // x[half][i]: row g + 8 half, key key0 + 8 (i / 2) + 2 t4 + i % 2.
+    float x[kHalves][4];
+    unsigned pa[4] = {0u, 0u, 0u, 0u};  // P as the A operand of P V
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[i] = d.logit(p, s[i / 2][i % 2], g, key0 + 8 * (i / 2) + 2 * t4 + i % 2, edge);
-      mx = fmaxf(mx, x[i]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mu = mx == FA_NEG_INF ? 0.f : mx;
-    const float alpha = fa_weight(m, mu, d.units.to_log2);
-    m = mx;
-    float sum = 0.f;
+    for (int half = 0; half < kHalves; ++half) {
+      float mx = m[half];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[i] = fa_weight(x[i], mu, d.units.to_log2);
-      sum += x[i];
-    }
-    l = l * alpha + sum;
+      for (int i = 0; i < 4; ++i) {
+        x[half][i] = d.logit(p, s[i / 2][2 * half + i % 2], g + 8 * half,
+                             key0 + 8 * (i / 2) + 2 * t4 + i % 2, edge);
+        mx = fmaxf(mx, x[half][i]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mu = mx == FA_NEG_INF ? 0.f : mx;
+      const float alpha = fa_weight(m[half], mu, d.units.to_log2);
+      m[half] = mx;
+      float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < kH / 8; ++nt) {
-      o[nt][0] *= alpha;
-      o[nt][1] *= alpha;
+      for (int i = 0; i < 4; ++i) {
+        x[half][i] = fa_weight(x[half][i], mu, d.units.to_log2);
+        sum += x[half][i];
+      }
+      l[half] = l[half] * alpha + sum;
+#pragma unroll
+      for (int nt = 0; nt < kH / 8; ++nt) {
+        o[nt][2 * half] *= alpha;
+        o[nt][2 * half + 1] *= alpha;
+      }
+      pa[half] = fa_pack_in(x[half][0], x[half][1]);
+      pa[2 + half] = fa_pack_in(x[half][2], x[half][3]);
     }
-    const unsigned a[4] = {fa_pack_in(x[0], x[1]), 0u, fa_pack_in(x[2], x[3]), 0u};
 #pragma unroll
     for (int j = 0; j < kH / 16; ++j) {
       unsigned b[4];
       fa_ldsm_x4_t(vt + ring_at(v_key, 2 * j + v_half), b);
-      fa_mma16(o[2 * j], a, b[0], b[1]);
-      fa_mma16(o[2 * j + 1], a, b[2], b[3]);
+      fa_mma16(o[2 * j], pa, b[0], b[1]);
+      fa_mma16(o[2 * j + 1], pa, b[2], b[3]);
     }
-    __syncwarp();  // every lane's reads of this stage before it is refilled
+    group_sync(group);  // every lane's reads of this stage before it is refilled
   }
   fa_cp_async_wait<0>();
 
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  __syncthreads();  // s_o lies over the rings
-  if (g < kRows) {
 #pragma unroll
-    for (int nt = 0; nt < kH / 8; ++nt) {
-      s_o[warp][g][8 * nt + 2 * t4] = o[nt][0];
-      s_o[warp][g][8 * nt + 2 * t4 + 1] = o[nt][1];
+  for (int half = 0; half < kHalves; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+  }
+  __syncthreads();  // s_o lies over the rings
+#pragma unroll
+  for (int half = 0; half < kHalves; ++half) {
+    const int r = g + 8 * half;
+    if (r < kRows) {
+#pragma unroll
+      for (int nt = 0; nt < kH / 8; ++nt) {
+        s_o[group][r][8 * nt + 2 * t4] = o[nt][2 * half];
+        s_o[group][r][8 * nt + 2 * t4 + 1] = o[nt][2 * half + 1];
+      }
+      if (t4 == 0) s_m[group][r] = m[half], s_l[group][r] = l[half];
     }
-    if (t4 == 0) s_m[warp][g] = m, s_l[warp][g] = l;
   }
 }
 #else
@@ -453,10 +509,10 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   extern __shared__ __align__(128) Chunk smem[];
   float(*s_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(smem);
   // After s_o, on rank 0 of a cluster: its segments' rows, then their LSE.
-  float* after = reinterpret_cast<float*>(smem) + kWarps * kRows * kH;
+  float* after = reinterpret_cast<float*>(smem) + kKeyGroups * kRows * kH;
   float(*slot_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(after);
   float(*slot_lse)[kRows] = reinterpret_cast<float(*)[kRows]>(after + kClusterMax * kRows * kH);
-  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  __shared__ float s_m[kKeyGroups][kRows], s_l[kKeyGroups][kRows];
 
   DecodeBlock d;
   d.G = p.N / p.K;
@@ -565,7 +621,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
 #pragma unroll
       for (int f = 0; f < 4; ++f) x[f] = s_o[0][r][e + f];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) {
+      for (int w = 1; w < kKeyGroups; ++w) {
         merge_stats(mx, sum, s_m[w][r], s_l[w][r], a, c, d.units.to_log2);
 #pragma unroll
         for (int f = 0; f < 4; ++f) x[f] = x[f] * a + s_o[w][r][e + f] * c;

@@ -42,17 +42,23 @@ FA_TILE_FN bool fa_runs_on(int kernel_sm, int cc) {
   return kernel_sm == 90 ? cc == 90 : cc >= kernel_sm;
 }
 
-// The decode kernel's rows per block for `rows` = T * N / K query rows per
-// key/value head: the smallest of 1, 2, 4, 8 that holds them; 0 when none
-// does (such calls take the forward kernels).
-constexpr int kFaMaxDecodeRows = 8;
-FA_TILE_FN int fa_decode_rows(long long rows) {
-  return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : rows <= 8 ? 8 : 0;
-}
-
 // The decode build serving kernel `kernel_sm`: 80 (tensor cores, cp.async)
 // on the sm80 and sm90 paths, 75 (CUDA cores, float32) on sm70 and sm75.
 FA_TILE_FN int fa_decode_build(int kernel_sm) { return kernel_sm >= 80 ? 80 : 75; }
+
+// The most query rows per key/value head a decode build holds: build 80 64,
+// 16 (an m16 tile) per warp of a key group; build 75 eight (each row's q and
+// O take 8 registers a lane).
+FA_TILE_FN int fa_decode_max_rows(int build) { return build == 80 ? 64 : 8; }
+
+// The decode build's rows per block for `rows` = T * N / K query rows per
+// key/value head: the smallest power of two that holds them, 0 past the
+// build's most (such calls take the forward kernels).
+FA_TILE_FN int fa_decode_rows(int build, long long rows) {
+  int r = 1;
+  while (r < rows && r < fa_decode_max_rows(build)) r *= 2;
+  return r >= rows ? r : 0;
+}
 
 struct FaTile {
   int Br;          // query rows per block (decode: rows per block)
@@ -116,7 +122,12 @@ constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
 // --- attention_decode.cu ------------------------------------------------------------
 
 // Build 80: each warp streams tiles of 16 keys through its own ring of
-// kFaDecodeStages stages, as many warps (up to 8) as shared memory allows.
+// kFaDecodeStages stages, as many warps (up to 8) as shared memory allows
+// (fa_decode_warps). Above 16 rows the rows split into row groups of one m16
+// tile each, a warp per row group, and the warps of one key group (one per
+// row group) share a ring: each copies its part of every tile, and all read
+// it whole. The rings then keep the bytes in flight of the one-warp rings
+// they replace, in more stages each (fa_decode_stages).
 constexpr int kFaDecodeTileKeys = 16;
 constexpr int kFaDecodeStages = 2;
 // A key's row in a ring stage, in 16-byte chunks: the h / 8 of its values
@@ -137,6 +148,16 @@ FA_TILE_FN int fa_decode_warps(int build, int h, int cc) {
        : fa_decode_ring_bytes(4, h) <= budget ? 4
                                               : 2;
 }
+FA_TILE_FN int fa_decode_row_groups(int build, int rows) {
+  return build == 80 && rows > 16 ? rows / 16 : 1;
+}
+FA_TILE_FN int fa_decode_key_groups(int build, int rows, int h, int cc) {
+  const int warps = fa_decode_warps(build, h, cc) / fa_decode_row_groups(build, rows);
+  return warps > 1 ? warps : 1;
+}
+FA_TILE_FN int fa_decode_stages(int build, int rows, int h, int cc) {
+  return kFaDecodeStages * fa_decode_warps(build, h, cc) / fa_decode_key_groups(build, rows, h, cc);
+}
 // Build 75: lanes sharing one key (each holds a 16-byte chunk of its rows),
 // and the load steps issued ahead into registers, by rows per block (more
 // rows: more registers for q and O, more math to hide the latency behind).
@@ -147,13 +168,15 @@ FA_TILE_FN int fa_decode_steps(int rows) { return rows == 2 ? 8 : rows == 8 ? 2 
 // The most segments of one unit that run as a thread block cluster and merge
 // in its rank 0's shared memory (attention_decode.cu): build 80 on sm_90 and
 // newer, up to the portable cluster size, 8 (16, non-portable, was slower on
-// the H100: B = 1, S = 4K, 20 against 12.5 us); 1 elsewhere: no clusters.
-FA_TILE_FN int fa_decode_cluster_max(int build, int cc) {
-  return build == 80 && cc >= 90 ? 8 : 1;
+// the H100: B = 1, S = 4K, 20 against 12.5 us), up to 16 rows (the slots of
+// 8 segments of 64 rows would not fit beside the warps' rows); 1 elsewhere:
+// no clusters.
+FA_TILE_FN int fa_decode_cluster_max(int build, int rows, int cc) {
+  return build == 80 && cc >= 90 && rows <= 16 ? 8 : 1;
 }
 // Rank 0's slots for its cluster's segments: each segment's rows (O and LSE).
 FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int cc) {
-  const int most = fa_decode_cluster_max(build, cc);
+  const int most = fa_decode_cluster_max(build, rows, cc);
   return most > 1 ? most * rows * (h + 1) * 4 : 0;
 }
 
@@ -295,14 +318,17 @@ FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int cc) {
 }
 
 // The tile of the decode kernel, build 75 or 80, at `rows` rows per block
-// (1, 2, 4 or 8) and kernel head dim h (a multiple of 32), on `cc`. Its
+// (fa_decode_rows) and kernel head dim h (a multiple of 32), on `cc`. Its
 // dynamic shared memory holds the K/V rings and, once the walk is done, the
-// warps' O rows and the cluster's slots.
+// key groups' O rows and the cluster's slots.
 FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int cc) {
-  const int warps = fa_decode_warps(build, h, cc);
-  const int keys = build == 80 ? warps * kFaDecodeTileKeys
-                               : warps * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
-  const int ring = build == 80 ? fa_decode_ring_bytes(warps, h) : 0;
-  const int after = warps * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, cc);
-  return FaTile{rows, keys, 32 * warps, ring > after ? ring : after};
+  const int groups = fa_decode_key_groups(build, rows, h, cc);
+  const int keys = build == 80 ? groups * kFaDecodeTileKeys
+                               : groups * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
+  const int ring = build == 80 ? groups * fa_decode_stages(build, rows, h, cc) * 2 *
+                                     fa_decode_tile_bytes(h)
+                               : 0;
+  const int after = groups * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, cc);
+  return FaTile{rows, keys, 32 * groups * fa_decode_row_groups(build, rows),
+                ring > after ? ring : after};
 }
