@@ -1,10 +1,13 @@
 """Decode benchmark: ``decode_attention`` against ``jax.nn.dot_product_attention``.
 
-One new token per sequence (T = 1) attends over a full KV cache of S keys, in
-Llama-3-8B's shapes by default (N = 32 query heads, K = 8 key/value heads,
-H = 128, bfloat16), for batch sizes 1 and 8 and S from 4K to 256K.
-``jax.nn.dot_product_attention`` runs with ``key_value_seq_lengths`` and
-implementation "xla" and "cudnn" (where it runs).
+T new tokens per sequence (``--queries``, 1 by default; several for
+speculative decoding or chunked prefill) attend over a full KV cache of S
+keys, in Llama-3-8B's shapes by default (N = 32 query heads, K = 8
+key/value heads, H = 128, bfloat16), for batch sizes 1 and 8 and S from 4K
+to 256K. ``jax.nn.dot_product_attention`` runs with ``key_value_seq_lengths``
+and implementation "xla" and "cudnn" (where it runs); for T > 1 it also takes
+the new tokens' end-aligned causal rule as a boolean mask of (1, 1, T, S),
+which ``decode_attention`` applies by itself.
 
 Timing: each competitor runs ``--calls`` times inside one jitted
 ``lax.fori_loop`` (each call's output is the next call's query, so no call can
@@ -47,16 +50,16 @@ from fastattn_jax.timing import median_seconds
 
 
 def _loop(attention, calls: int):
-  """A jitted ``run(q, ks, vs, lengths)``: ``calls`` calls of ``attention`` in a chain.
+  """A jitted ``run(q, ks, vs, lengths, mask)``: ``calls`` calls of ``attention`` in a chain.
 
   ``ks`` and ``vs`` are tuples of K/V sets; call i reads set ``i % len(ks)``,
   and ``calls`` must be a multiple of ``len(ks)``.
   """
 
-  def run(q, ks, vs, lengths):
+  def run(q, ks, vs, lengths, mask):
     def body(_, x):
       for k, v in zip(ks, vs):
-        x = attention(x, k, v, lengths).astype(x.dtype)
+        x = attention(x, k, v, lengths, mask).astype(x.dtype)
       return x
 
     return jax.lax.fori_loop(0, calls // len(ks), body, q)
@@ -81,24 +84,27 @@ def copy_bandwidth(device) -> float:
 
 
 def competitors(platform: str) -> dict:
-  """``{name: attention(q, k, v, lengths)}`` for a JAX platform ("cpu",
-  "gpu"): ``decode_attention`` as SUBJECT, then jax.nn's "xla" and, on GPUs,
-  "cudnn", all with ``key_value_seq_lengths=lengths``. q is (B, 1, N, H),
-  k and v (B, S, K, H), lengths int32 (B,)."""
+  """``{name: attention(q, k, v, lengths, mask)}`` for a JAX platform
+  ("cpu", "gpu"): ``decode_attention`` as SUBJECT (end-aligned causal among
+  the T new tokens; ``mask`` unused), then jax.nn's "xla" and, on GPUs,
+  "cudnn", all with ``key_value_seq_lengths=lengths`` and ``mask`` (None, or
+  the same rule as a boolean (1, 1, T, S)). q is (B, T, N, H), k and v (B, S,
+  K, H), lengths int32 (B,)."""
   comps = {
-      SUBJECT: lambda q, k, v, lengths: decode_attention(q, k, v, lengths),
-      "xla": lambda q, k, v, lengths: jax.nn.dot_product_attention(
-          q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
+      SUBJECT: lambda q, k, v, lengths, mask: decode_attention(q, k, v, lengths),
+      "xla": lambda q, k, v, lengths, mask: jax.nn.dot_product_attention(
+          q, k, v, mask=mask, key_value_seq_lengths=lengths, implementation="xla"),
   }
   if platform == "gpu":
-    comps["cudnn"] = lambda q, k, v, lengths: jax.nn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+    comps["cudnn"] = lambda q, k, v, lengths, mask: jax.nn.dot_product_attention(
+        q, k, v, mask=mask, key_value_seq_lengths=lengths, implementation="cudnn")
   return comps
 
 
-def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) -> dict:
-  """Times each of ``comps`` on one decode step: q (B, 1, N, H) over full
-  caches k, v (B, S, K, H) of ``dtype``.
+def run_case(B, T, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) -> dict:
+  """Times each of ``comps`` on one decode step: q (B, T, N, H) over full
+  caches k, v (B, S, K, H) of ``dtype``, the T queries at the last T
+  positions.
 
   The ``calls`` calls of each timed loop (rounded up to a multiple of the
   K/V sets) take turns over ``kv_sets(kv_bytes, footprint_bytes)`` random
@@ -106,7 +112,7 @@ def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) -> di
   ``calls``.
 
   Returns:
-    ``{"B", "S", "N", "K", "H", "kv_bytes" (K and V of one set, bytes),
+    ``{"B", "T", "S", "N", "K", "H", "kv_bytes" (K and V of one set, bytes),
     "kv_sets", name: {"us": microseconds per call, "GB/s": kv_bytes / time
     / 1e9} or {"error": why it did not run}}``.
   """
@@ -114,15 +120,19 @@ def run_case(B, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) -> di
   sets = kv_sets(kv_bytes, footprint_bytes)
   calls = -(-calls // sets) * sets
   keys = jax.random.split(jax.random.key(0), 1 + 2 * sets)
-  q = jax.random.normal(keys[0], (B, 1, N, H), dtype)
+  q = jax.random.normal(keys[0], (B, T, N, H), dtype)
   ks = tuple(jax.random.normal(key, (B, S, K, H), dtype) for key in keys[1:1 + sets])
   vs = tuple(jax.random.normal(key, (B, S, K, H), dtype) for key in keys[1 + sets:])
   lengths = jnp.full((B,), S, jnp.int32)
-  row = {"B": B, "S": S, "N": N, "K": K, "H": H, "kv_bytes": kv_bytes, "kv_sets": sets}
+  mask = None
+  if T > 1:  # query t at position S - T + t
+    mask = (jnp.arange(S)[None, :] <= S - T + jnp.arange(T)[:, None])[None, None]
+  row = {"B": B, "T": T, "S": S, "N": N, "K": K, "H": H, "kv_bytes": kv_bytes,
+         "kv_sets": sets}
   for name, attention in comps.items():
     try:
       loop = _loop(attention, calls)
-      seconds = median_seconds(lambda: loop(q, ks, vs, lengths), repeats,
+      seconds = median_seconds(lambda: loop(q, ks, vs, lengths, mask), repeats,
                                warmup_seconds=WARMUP_SECONDS) / calls
       row[name] = {"us": seconds * 1e6, "GB/s": kv_bytes / seconds / 1e9}
     except Exception as err:  # a competitor that cannot run this shape
@@ -139,12 +149,13 @@ def format_table(rows: list[dict], names: list[str], copy_gbs: float) -> str:
   where an entry did not run."""
   rivals = [n for n in names if n != SUBJECT]
   versus = f"fastest of {', '.join(rivals)}" if len(rivals) > 1 else rivals[0]
-  head = ["B", "S"] + [f"{n} us" for n in names]
+  head = ["B", "T", "S"] + [f"{n} us" for n in names]
   head += [f"{SUBJECT} GB/s", f"{SUBJECT} % copy", f"{SUBJECT} vs {versus}"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     us = {n: r[n].get("us") for n in names}
-    cells = [str(r["B"]), str(r["S"])] + [f"{us[n]:.1f}" if us[n] else "err" for n in names]
+    cells = [str(r["B"]), str(r["T"]), str(r["S"])]
+    cells += [f"{us[n]:.1f}" if us[n] else "err" for n in names]
     timed = [n for n in rivals if us[n]]
     if us[SUBJECT]:
       cells += [f"{r[SUBJECT]['GB/s']:.0f}", f"{100 * r[SUBJECT]['GB/s'] / copy_gbs:.0f}%"]
@@ -161,8 +172,9 @@ def main(argv=None) -> None:
   (device, copy bandwidth in GB/s, dtype, calls, rows) to ``--out``."""
   parser = argparse.ArgumentParser(
       prog="python -m benchmarks.bench_decode",
-      description="Times decode_attention (T = 1 over a KV cache) against jax.nn.")
+      description="Times decode_attention (T new tokens over a KV cache) against jax.nn.")
   parser.add_argument("--batch", type=int_list, default=(1, 8))
+  parser.add_argument("--queries", type=int_list, default=(1,), help="T, new tokens per step")
   parser.add_argument("--seq-lens", type=int_list,
                       default=(4096, 16384, 65536, 131072, 262144))
   parser.add_argument("--heads", type=int, default=32, help="N, query heads")
@@ -184,16 +196,16 @@ def main(argv=None) -> None:
   copy_gbs = copy_bandwidth(device) / 1e9
   print(f"device: {device.device_kind}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
   rows = []
-  cases = [(B, S) for B in args.batch for S in args.seq_lens]
-  for B, S in tqdm(cases, desc="decode bench", unit="shape", file=sys.stderr):
-    rows.append(run_case(B, S, args.heads, args.kv_heads, args.head_dim,
+  cases = [(B, T, S) for B in args.batch for T in args.queries for S in args.seq_lens]
+  for B, T, S in tqdm(cases, desc="decode bench", unit="shape", file=sys.stderr):
+    rows.append(run_case(B, T, S, args.heads, args.kv_heads, args.head_dim,
                          jnp.dtype(args.dtype), comps, args.calls, args.repeats,
                          args.footprint_mib * 2**20))
   print(format_table(rows, names, copy_gbs))
   for r in rows:
     for n in names:
       if "error" in r[n]:
-        print(f"B={r['B']} S={r['S']} {n}: {r[n]['error']}")
+        print(f"B={r['B']} T={r['T']} S={r['S']} {n}: {r[n]['error']}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "bench_decode.json")
   with open(path, "w") as f:
