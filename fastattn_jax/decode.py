@@ -49,7 +49,9 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
   Position ``lengths[b] + t`` of sequence b receives ``k_new[b, t]`` and
   ``v_new[b, t]``. Under ``jax.jit`` with the caches donated
   (``donate_argnums``) or inside ``lax.scan``, XLA updates them in place: no
-  copy of the cache per step.
+  copy of the cache per step. On GPUs the write is one scatter per cache (its
+  compile time does not grow with B); on the CPU one slice update per
+  sequence (XLA:CPU copies a 16-bit cache around a scatter).
 
   Args:
     cache_k, cache_v: (B, S_max, K, H), any floating dtype.
@@ -80,15 +82,30 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
   if not isinstance(past_end, jax.core.Tracer):
     _raise_if_past_end(np.asarray(past_end), lengths, T, S_max)
 
-  def put(cache, new):
+  # Sequence b's first position, clamped as a slice update clamps it.
+  start = jnp.clip(lengths, 0, max(S_max - T, 0))
+
+  def scatter(cache, new):
+    b = jnp.arange(B)[:, None]
+    pos = start[:, None] + jnp.arange(T)[None, :]
+    return cache.at[b, pos].set(new, indices_are_sorted=True, unique_indices=True,
+                                mode="promise_in_bounds")
+
+  def per_sequence(cache, new):
     # One slice update per sequence, on the bits: XLA:CPU would run a 16-bit
-    # float update in float32, converting (and copying) the whole cache.
+    # float update in float32, converting (and copying) the whole cache, and
+    # it copies a cache around a scatter; a loop of slice updates took 4.5
+    # times as long as these (B = 8, S_max = 4K, bf16).
     bits = jnp.dtype(f"uint{8 * cache.dtype.itemsize}")
     raw = jax.lax.bitcast_convert_type(cache, bits)
-    new = jax.lax.bitcast_convert_type(new.astype(cache.dtype), bits)
+    new = jax.lax.bitcast_convert_type(new, bits)
     for b in range(B):
-      raw = jax.lax.dynamic_update_slice(raw, new[b:b + 1], (b, lengths[b], 0, 0))
+      raw = jax.lax.dynamic_update_slice(raw, new[b:b + 1], (b, start[b], 0, 0))
     return jax.lax.bitcast_convert_type(raw, cache.dtype)
+
+  def put(cache, new):
+    return jax.lax.platform_dependent(cache, new.astype(cache.dtype), cpu=per_sequence,
+                                      default=scatter)
 
   return put(cache_k, k_new), put(cache_v, v_new)
 

@@ -7,6 +7,7 @@ attention for a multi-step decode.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -373,7 +374,49 @@ def test_write_updates_in_place_under_donation():
   kb = jnp.zeros((B, S_max, K, H), jnp.bfloat16)
   text = fn.lower(kb, kb, lengths, new.astype(jnp.bfloat16),
                   new.astype(jnp.bfloat16)).compile().as_text()
-  assert f"f32[{B},{S_max}" not in text and " copy(" not in text
+  assert f"f32[{B},{S_max}" not in text
+  assert not re.search(rf"= \w+\[{B},{S_max},{K},{H}\]\S* copy\(", text), "a copy of the cache"
+
+
+def test_write_compiles_to_a_program_of_constant_size():
+  """On GPUs (lowered for CUDA without a GPU) no per-sequence unrolling: one
+  scatter per cache; on the CPU one slice update per sequence."""
+  S_max, K, H = 64, 2, 16
+
+  def lowered(B, platform):
+    args = (jax.ShapeDtypeStruct((B, S_max, K, H), jnp.bfloat16),) * 2 + (
+        jax.ShapeDtypeStruct((B,), jnp.int32),) + (
+        jax.ShapeDtypeStruct((B, 3, K, H), jnp.bfloat16),) * 2
+    exported = jax.export.export(jax.jit(write), platforms=[platform])(*args)
+    return exported.mlir_module()
+
+  texts = [lowered(B, "cuda") for B in (2, 64)]
+  assert len(texts[1]) < 1.2 * len(texts[0])
+
+  def ops(text, op):
+    return len(re.findall(rf'= "?stablehlo\.{op}\b', text))
+
+  assert ops(texts[1], "scatter") == 2 and ops(texts[1], "dynamic_update_slice") == 0
+  cpu_text = lowered(64, "cpu")
+  assert ops(cpu_text, "dynamic_update_slice") == 2 * 64 and ops(cpu_text, "scatter") == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_puts_each_sequence_at_its_length(dtype):
+  """Random new rows over a NaN cache with ragged lengths (T = 3): exactly
+  the positions [lengths[b], lengths[b] + 3) change, traced lengths past
+  the end land on the last 3 positions (the documented clamp)."""
+  rng = np.random.default_rng(tu.seed_of(f"write{dtype}"))
+  B, S_max, K, H, T = 5, 40, 2, 8, 3
+  cache = jnp.full((B, S_max, K, H), jnp.nan, tu.DTYPES[dtype])
+  new = jnp.asarray(rng.standard_normal((B, T, K, H)), tu.DTYPES[dtype])
+  lengths = np.array([0, 7, 36, 39, 20], np.int32)   # 39: past the end, traced
+  got, _ = jax.jit(write)(cache, cache, jnp.asarray(lengths), new, new)
+  want = np.full(cache.shape, np.nan, np.float32)
+  for b, n in enumerate(lengths):
+    start = min(n, S_max - T)
+    want[b, start:start + T] = np.asarray(new[b], np.float32)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
 def test_write_past_the_end_raises():
