@@ -124,6 +124,7 @@ NB_MODULE(_ffi, m) {
 
   // --- CUDA kernels: the rules (csrc/cuda/variants.h), no GPU needed ----------
 
+  m.attr("min_page_size") = fastattn::kMinPageSize;
   m.def("cuda_limits", []() {
     nb::dict d;
     d["max_head_dim"] = kFaMaxHeadDim;

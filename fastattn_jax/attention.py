@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastattn_jax import backends, primitive, shapes
-from fastattn_jax.reference import attention_reference
+from fastattn_jax.reference import attention_reference, gather_pages
 from fastattn_jax.shapes import AttentionConfig
 
 
@@ -183,8 +183,17 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
 
 
 def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=None,
-               kv_lens=None):
-  """Attention on checked 4-D operands by ``config`` (any path but "cudnn"); (out, lse)."""
+               kv_lens=None, block_table=None):
+  """Attention on checked 4-D operands by ``config`` (any path but "cudnn"); (out, lse).
+
+  With ``block_table`` (and ``config.has_block_table``), k and v are pools of
+  pages (``shapes.check_paged``); no bias, mask or query lengths then.
+  """
+  if block_table is not None:
+    if config.implementation == "xla" or q.dtype == jnp.float64:
+      return attention_reference(config, q, gather_pages(k, block_table),
+                                 gather_pages(v, block_table), None, None, None, kv_lens)
+    return _fused_paged(config, q, k, v, kv_lens, block_table)
   if config.implementation == "xla":
     return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
   if bias is not None and bias.dtype == jnp.float64 and q.dtype != jnp.float64:
@@ -293,6 +302,36 @@ def _fused_bwd(config, residuals, cotangents):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_paged(config, q, k_pages, v_pages, kv_lens, block_table):
+  """The fused path over a paged cache (the pages read in place where the
+  path's kernel can)."""
+  return primitive.bind(config, q, k_pages, v_pages, kv_lens, block_table)
+
+
+def _fused_paged_fwd(config, q, k_pages, v_pages, kv_lens, block_table):
+  return (_fused_paged(config, q, k_pages, v_pages, kv_lens, block_table),
+          (q, k_pages, v_pages, kv_lens, block_table))
+
+
+def _fused_paged_bwd(config, residuals, cotangents):
+  """The gradients of the same attention over the gathered pages (the
+  contiguous path's backward); the pools' gradients are the gathered ones
+  added back into their pages."""
+  q, k_pages, v_pages, kv_lens, block_table = residuals
+  contiguous = dataclasses.replace(config, has_block_table=False)
+
+  def forward(q, k_pages, v_pages):
+    return _fused(contiguous, q, gather_pages(k_pages, block_table),
+                  gather_pages(v_pages, block_table), None, None, None, kv_lens)
+
+  _, vjp = jax.vjp(forward, q, k_pages, v_pages)
+  return (*vjp(cotangents), None, None)
+
+
+_fused_paged.defvjp(_fused_paged_fwd, _fused_paged_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

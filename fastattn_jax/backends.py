@@ -25,6 +25,7 @@ except ImportError as err:
       "the current directory, shadows the installed package)") from err
 from fastattn_jax import _util, ascend, cuda
 from fastattn_jax.custom_calls import kernel_call
+from fastattn_jax.reference import gather_pages
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -257,11 +258,18 @@ def log_path_once(direction: str, implementation: str, platform: str, reason: st
 
 
 def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-               q_lens=None, kv_lens=None):
+               q_lens=None, kv_lens=None, block_table=None):
   """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out,
-  lse): out in q's dtype, or float32 where ``config.float32_out``."""
+  lse): out in q's dtype, or float32 where ``config.float32_out``.
+
+  With ``block_table``, k and v are pools of pages (``shapes.check_paged``):
+  the CUDA decode kernel reads them in place; other kernels get them
+  gathered into one (B, S, K, H) cache first (``reference.gather_pages``).
+  """
   if implementation in cuda.IMPLEMENTATIONS:
-    return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
+    return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens, block_table)
+  if block_table is not None:
+    k, v = gather_pages(k, block_table), gather_pages(v, block_table)
   if implementation in ascend.IMPLEMENTATIONS:
     out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
     return (out.astype(jnp.float32) if config.float32_out else out), lse

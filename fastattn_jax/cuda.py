@@ -30,6 +30,7 @@ import numpy as np
 
 from fastattn_jax import _ffi
 from fastattn_jax.custom_calls import kernel_call
+from fastattn_jax.reference import gather_pages
 from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 #: The CUDA targets: every forward kernel, and the backward kernels; the
@@ -196,7 +197,7 @@ def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -
 
 
 def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-         q_lens=None, kv_lens=None):
+         q_lens=None, kv_lens=None, block_table=None):
   """Runs the kernel ``implementation`` plans for the call; returns (out, lse).
 
   q (B, T, N, H), k and v (B, S, K, H), converted to the plan's operand dtype
@@ -204,21 +205,37 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
   rows: the one case that copies the operands); the bias in float32. out is in
   q's dtype, or float32 where ``config.float32_out`` (the kernel writes it so,
   unrounded). The split-KV workspace is a third result, sized by the owner.
+  With ``block_table`` (B, max_pages), k and v are pools of pages: the decode
+  kernel reads them in place where the plan takes it (``reads_pages``), and
+  any other kernel gets them gathered into one (B, S, K, H) cache.
   """
   _configured()
   B, T, N, H = q.shape
-  p = plan(implementation, config, q.shape, k.shape, q.dtype, bias is not None,
+  k_shape = k.shape
+  if block_table is not None:
+    k_shape = (B, block_table.shape[1] * k.shape[1], *k.shape[2:])
+  p = plan(implementation, config, q.shape, k_shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None)
+  if block_table is not None and not reads_pages(p):
+    k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+    block_table = None
   out_dtype = jnp.dtype(_DTYPE_NAMES[p["out_dtype"]])
   q, k, v = _kernel_rows(p, q, k, v)
-  workspace = launch(p, q.shape, k.shape)["workspace_floats"]
+  workspace = launch(p, q.shape, k_shape)["workspace_floats"]
   out, lse, _ = kernel_call(TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
                                      jax.ShapeDtypeStruct((B, T, N), jnp.float32),
                                      jax.ShapeDtypeStruct((workspace,), jnp.float32)),
                             config, q, k, v, bias, mask, q_lens, kv_lens,
+                            jnp.zeros((0,), jnp.int32) if block_table is None else block_table,
                             bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
                             fold_heads=np.int64(p["fold_heads"]))
   return out[..., :H], lse
+
+
+def reads_pages(plan_: dict) -> bool:
+  """Whether the kernel of ``plan_`` reads a paged cache in place: the decode
+  kernel's variants do (``csrc/kernels/cuda/attention_decode.cu``)."""
+  return _ffi.cuda_variant(plan_["variant"])["decode_rows"] > 0
 
 
 def _kernel_rows(p: dict, *xs):

@@ -110,8 +110,9 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
   return put(cache_k, k_new), put(cache_v, v_new)
 
 
-def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_window_size=None,
-                     logits_soft_cap=None, return_residual=False, implementation=None):
+def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scale=None,
+                     local_window_size=None, logits_soft_cap=None, return_residual=False,
+                     implementation=None):
   r"""Attention of T new queries over a KV cache that already holds their keys.
 
   Query t of sequence b sits at position ``lengths[b] - T + t`` and sees the
@@ -134,12 +135,27 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   FastAttention's (Lin et al., 2024) per-tile masks; split-KV after Dao et
   al., "Flash-Decoding for long-context inference" (2023).
 
+  A paged cache (``block_table`` given; PagedAttention, Kwon et al., 2023):
+  the caches are pools of pages shared by all sequences, and position j of
+  sequence b lives at row ``j % page_size`` of page ``block_table[b, j //
+  page_size]``. The CUDA decode kernel reads the pages in place; other
+  kernels (more query rows than it holds, the CPU) and the "xla" path read
+  them gathered into one (B, max_pages * page_size, K, H) cache first, with
+  the same result. Gradients flow to the pools' pages.
+
   Args:
     query: (B, T, N, H), float16, bfloat16, float32 (or float64, reference
       math).
-    cache_k, cache_v: (B, S_max, K, H), query's dtype; N a multiple of K.
+    cache_k, cache_v: (B, S_max, K, H), query's dtype; N a multiple of K. With
+      ``block_table``: pools of pages, (pages, page_size, K, H), page_size a
+      power of two >= 16 (``shapes.MIN_PAGE_SIZE``).
     lengths: (B,) integer, valid positions of each sequence, including the T
-      new ones (``lengths[b] >= T`` for every sequence with queries).
+      new ones (``lengths[b] >= T`` for every sequence with queries); at most
+      S_max (paged: max_pages * page_size).
+    block_table: None, or (B, max_pages) integer (taken as int32), the pages
+      of each sequence in order. Entries for positions past ``lengths[b]`` are never read; the
+      others must lie in [0, pages) (out-of-range entries read the nearest
+      page).
     scale, local_window_size, logits_soft_cap, return_residual,
       implementation: as in ``fastattn_jax.fast_attention``.
 
@@ -151,11 +167,22 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
   Raises:
     ValueError, TypeError: as ``fast_attention``, naming the argument and its
       shape, at trace time; ValueError at once for concrete ``lengths``
-      outside [0, S_max] (traced ones are clamped to that range).
+      outside [0, S_max] (traced ones are clamped to that range); with
+      ``block_table``, ValueError for a page size that is not a power of two
+      >= 16 or pools and table that do not fit, TypeError for a table that
+      is not of integers.
   """
   query = jnp.asarray(query)
-  _check_cache("decode_attention", cache_k, cache_v)
-  dims = shapes.check_qkv(query, cache_k, cache_v)
+  if block_table is None:
+    _check_cache("decode_attention", cache_k, cache_v)
+    dims = shapes.check_qkv(query, cache_k, cache_v)
+  else:
+    block_table = jnp.asarray(block_table)
+    if not jnp.issubdtype(block_table.dtype, jnp.integer):
+      raise TypeError(f"block_table must be an integer array of shape (B, max_pages), got "
+                      f"{block_table.dtype}")
+    block_table = block_table.astype(jnp.int32)
+    dims = shapes.check_paged(query, cache_k, cache_v, block_table)
   lengths = seq_lengths("lengths", lengths, dims.B, dims.S)
   config = AttentionConfig(
       scale=(shapes.default_scale(dims.H) if scale is None
@@ -165,12 +192,13 @@ def decode_attention(query, cache_k, cache_v, lengths, *, scale=None, local_wind
       softcap=(None if logits_soft_cap is None else
                shapes.static_float("logits_soft_cap", logits_soft_cap, positive=True,
                                      max_value=shapes.MAX_SOFTCAP)),
-      end_aligned=True, has_kv_lens=True,
+      end_aligned=True, has_kv_lens=True, has_block_table=block_table is not None,
       implementation=requested_implementation(implementation, query.dtype))
   if config.implementation == "cudnn":
     raise ValueError("decode_attention: implementation='cudnn' is not supported; "
                      "use None, 'xla' or a fused path")
-  out, lse = run_config(config, query, cache_k, cache_v, None, None, None, lengths)
+  out, lse = run_config(config, query, cache_k, cache_v, None, None, None, lengths,
+                        block_table)
   return (out, lse) if return_residual else out
 
 

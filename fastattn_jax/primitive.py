@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fastattn_jax import backends
 from fastattn_jax._jax_internal import require_devices_during_lowering
-from fastattn_jax.reference import attention_grads, attention_reference
+from fastattn_jax.reference import attention_grads, attention_reference, gather_pages
 from fastattn_jax.shapes import KERNEL_DTYPES, AttentionConfig, check_operands
 
 fast_attention_p = Primitive("fast_attention")
@@ -110,7 +110,7 @@ def _batch_rule(operands, batch_dims, *, config, prim):
   B = operands[0].shape[0 if q_dim is None or q_dim > 0 else 1]
   pairs = tuple(zip(operands, batch_dims))
   n_forward = len(pairs) - (_RESIDUALS if prim is fast_attention_bwd_p else 0)
-  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(pairs[:n_forward])
+  q, k, v, bias, mask, q_lens, kv_lens, table = config.split_operands(pairs[:n_forward])
 
   def fold(x_d, full_b=True):
     """(B, ...) or vmapped (V, B, ...) -> (V * B, ...).
@@ -131,8 +131,23 @@ def _batch_rule(operands, batch_dims, *, config, prim):
       x = jnp.broadcast_to(x, (size, B, *x.shape[2:]))
     return x.reshape(size * B, *x.shape[2:])
 
-  folded = [fold(q), fold(k), fold(v), fold(bias, False), fold(mask, False),
-            fold(q_lens), fold(kv_lens), *(fold(r) for r in pairs[n_forward:])]
+  def fold_pages():
+    """Paged k, v and the block table: vmapped pools (V, P, ...) become one
+    pool (V * P, ...), and map v's table entries move up by v * P."""
+    if k[1] is None and v[1] is None:
+      return k[0], v[0], fold(table)
+    pools = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in (k, v)]
+    pools = [x if x.ndim == 5 else jnp.broadcast_to(x[None], (size, *x.shape)) for x in pools]
+    P = pools[0].shape[1]
+    entries = table[0] if table[1] is None else jnp.moveaxis(table[0], table[1], 0)
+    entries = jnp.broadcast_to(entries, (size, B, entries.shape[-1]))
+    entries = entries + (jnp.arange(size, dtype=entries.dtype) * P)[:, None, None]
+    return (*(x.reshape(size * P, *x.shape[2:]) for x in pools),
+            entries.reshape(size * B, entries.shape[-1]))
+
+  k_v = (fold(k), fold(v), None) if table is None else fold_pages()
+  folded = [fold(q), *k_v[:2], fold(bias, False), fold(mask, False),
+            fold(q_lens), fold(kv_lens), k_v[2], *(fold(r) for r in pairs[n_forward:])]
   results = prim.bind(*(x for x in folded if x is not None), config=config)
   return tuple(r.reshape(size, B, *r.shape[1:]) for r in results), (0,) * len(results)
 
@@ -170,7 +185,7 @@ def _shardings(config, mesh, arg_shapes, backward):
   args = jax.tree.leaves(arg_shapes)
   if backward:
     args = args[:-_RESIDUALS]
-  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(args)
+  q, k, v, bias, mask, q_lens, kv_lens, table = config.split_operands(args)
   B, T, N, H = q.shape
   K = k.shape[2]
   b_axes, _, n_axes, _ = _spec_of(q.sharding, 4)
@@ -186,20 +201,31 @@ def _shardings(config, mesh, arg_shapes, backward):
 
   rows = named(b_axes, None, n_axes, None)
   lse = named(b_axes, None, n_axes)
-  arg_shardings = [rows, rows, rows]
+  # A paged cache's pools hold every sequence's pages: split by heads only.
+  keys = rows if table is None else named(None, None, n_axes, None)
+  arg_shardings = [rows, keys, keys]
   arg_shardings += [broadcast_spec(x) for x in (bias, mask) if x is not None]
   arg_shardings += [named(b_axes) for x in (q_lens, kv_lens) if x is not None]
+  if table is not None:
+    arg_shardings.append(named(b_axes, None))
   if backward:
     arg_shardings += [rows, lse, rows, lse]
     return arg_shardings, (rows, rows, rows)
   return arg_shardings, (rows, lse)
 
 
+def _unpaged(config, operands):
+  """The backward's forward operands, the 7 of a contiguous cache: under
+  differentiation ``fastattn_jax.attention`` gathers a paged cache's pages
+  first, so no backward has a block table."""
+  return config.split_operands(operands)[:7]
+
+
 def _call(implementation, backward, config, operands):
   """The fused kernel (or its backward) of ``implementation`` on 4-D operands."""
   if backward:
     return backends.fused_backward_call(
-        implementation, config, *config.split_operands(operands[:-_RESIDUALS]),
+        implementation, config, *_unpaged(config, operands[:-_RESIDUALS]),
         *operands[-_RESIDUALS:])
   return backends.fused_call(implementation, config, *config.split_operands(operands))
 
@@ -221,24 +247,28 @@ def _sharding_rule(implementation, backward, config, mesh, operand_types, result
   """Shardy rule: batch and heads pass through; T, S, H are not split."""
   if backward:
     operand_types = operand_types[:-_RESIDUALS]
-  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(operand_types)
+  q, k, v, bias, mask, q_lens, kv_lens, table = config.split_operands(operand_types)
   full = ("b", "n", "t", "s")
   dims = lambda t: list(mlir.ir.RankedTensorType(t).shape)
   B, T, N, _ = dims(q)
   sizes = (B, N, T, dims(k)[1])
-  operands = ["b t n h", "b s k h", "b s k h"]
+  keys = "b s k h" if table is None else "pages page k h"
+  operands = ["b t n h", keys, keys]
   for idx, x in enumerate((bias, mask)):
     if x is not None:
       operands.append(" ".join(
           f if d == size else f"{f}{idx}" for f, d, size in zip(full, dims(x), sizes)))
   operands += ["b" for x in (q_lens, kv_lens) if x is not None]
+  if table is not None:
+    operands.append("b table")
   if backward:
     operands += ["b t n h", "b t n", "b t n h", "b t n"]
     results = "b t n h, b s k h, b s k h"
   else:
     results = "b t n h, b t n"
   rule = f"{', '.join(operands)} -> {results}"
-  return rule, {"need_replication_factors": ("t", "h", "s")}  # in order of first use
+  replicated = ("t", "h", "s") if table is None else ("t", "h", "pages", "page", "table")
+  return rule, {"need_replication_factors": replicated}  # in order of first use
 
 
 @functools.cache
@@ -279,11 +309,14 @@ def _lowering(ctx, *operands, config, platform, backward):
     else:
       fn = lambda *ops: _partitioned(implementation, backward)(config, ops)
   elif backward:
-    fn = lambda *ops: attention_grads(config, *config.split_operands(ops[:-_RESIDUALS]),
+    fn = lambda *ops: attention_grads(config, *_unpaged(config, ops[:-_RESIDUALS]),
                                       *ops[-2:])  # d_out, d_lse
   else:
     def fn(*ops):
-      out, lse = attention_reference(config, *config.split_operands(ops))
+      q, k, v, *optional, table = config.split_operands(ops)
+      if table is not None:
+        k, v = gather_pages(k, table), gather_pages(v, table)
+      out, lse = attention_reference(config, q, k, v, *optional)
       return (out.astype(jnp.float32) if config.float32_out else out), lse
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 

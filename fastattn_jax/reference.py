@@ -18,6 +18,17 @@ import jax.numpy as jnp
 from fastattn_jax.shapes import AttentionConfig
 
 
+def gather_pages(pages, block_table):
+  """A paged cache as one contiguous cache: (pages, page_size, K, H) through
+  a (B, max_pages) block table -> (B, max_pages * page_size, K, H), position
+  j of sequence b from row j % page_size of page block_table[b, j //
+  page_size]. Entries outside [0, pages) are clamped, as the kernels clamp
+  them (only positions past a sequence's length should hold such entries)."""
+  B, max_pages = block_table.shape
+  rows = jnp.take(pages, block_table, axis=0, mode="clip")
+  return rows.reshape(B, max_pages * pages.shape[1], *pages.shape[2:])
+
+
 def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=None):
   """Boolean (B|1, 1, T, S) mask of the index-defined visibility, or None;
   with ``rows`` (R,) query row indices, that of those rows only: (B|1, 1, R, S)."""

@@ -13,8 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fastattn_jax import _ffi
 
@@ -25,6 +26,9 @@ KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloa
 DTYPE_CODES = _ffi.dtype_codes()
 #: Element types any path accepts; float64 is served by the reference math.
 SUPPORTED_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
+#: The smallest page of a paged KV cache (page sizes are powers of two from
+#: it): the CUDA decode kernel reads tiles of 16 keys from at most two pages.
+MIN_PAGE_SIZE = _ffi.min_page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +46,11 @@ class AttentionConfig:
       ``i + kv_len - q_len`` (bottom-right alignment: the last valid query
       sits at the last valid key, as when T new tokens attend over a cache
       that already holds them) instead of at position i.
-    has_bias, has_mask, has_q_lens, has_kv_lens: which optional operands follow
-      query, key and value, in that order.
+    has_bias, has_mask, has_q_lens, has_kv_lens, has_block_table: which
+      optional operands follow query, key and value, in that order. With a
+      block table (B, max_pages) int32, key and value are pools of pages
+      (pages, page_size, K, H) and S = max_pages * page_size
+      (``check_paged``).
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
     deterministic: the backward sums in a fixed order (on kernel 90's CUDA
       path, "cuda_sm90": dQ in a pass of its own rather than by atomics).
@@ -68,6 +75,7 @@ class AttentionConfig:
   has_mask: bool = False
   has_q_lens: bool = False
   has_kv_lens: bool = False
+  has_block_table: bool = False
   implementation: str = "auto"
   deterministic: bool = False
   float32_out: bool = False
@@ -79,12 +87,13 @@ class AttentionConfig:
     return self.window if self.window is not None else (-1, -1)
 
   def split_operands(self, operands):
-    """Splits ``(q, k, v, *present optionals)`` into a 7-tuple with Nones."""
+    """Splits ``(q, k, v, *present optionals)`` into an 8-tuple with Nones:
+    q, k, v, bias, mask, q_lens, kv_lens, block_table."""
     q, k, v, *rest = operands
     rest = iter(rest)
     take = lambda present: next(rest) if present else None
     return (q, k, v, take(self.has_bias), take(self.has_mask),
-            take(self.has_q_lens), take(self.has_kv_lens))
+            take(self.has_q_lens), take(self.has_kv_lens), take(self.has_block_table))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +151,47 @@ def check_qkv(query, key, value) -> Dims:
   return Dims(B, T, S, N, K, H)
 
 
+def check_paged(query, k_pages, v_pages, block_table) -> Dims:
+  """Checks a query (B,T,N,H) over a paged KV cache; returns the dims, S =
+  max_pages * page_size.
+
+  Args:
+    query: (B, T, N, H).
+    k_pages, v_pages: (pages, page_size, K, H) of query's dtype, page_size a
+      power of two >= ``MIN_PAGE_SIZE``.
+    block_table: (B, max_pages) int32.
+
+  Raises:
+    ValueError: on wrong ranks or shapes, naming them. TypeError: on
+      dtypes, as ``check_qkv``, or a block table that is not int32.
+  """
+  if block_table.ndim != 2 or _shape(block_table)[0] != _shape(query)[0]:
+    raise ValueError(
+        f"block_table must have shape (B, max_pages) with B = {_shape(query)[0]} (query "
+        f"{_shape(query)}), got {_shape(block_table)}")
+  if np.dtype(block_table.dtype) != np.dtype(np.int32):
+    raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have shape (pages, page_size, K, H), got {_shape(x)}")
+  page_size = _shape(k_pages)[1]
+  if not isinstance(page_size, (int, np.integer)) or page_size < MIN_PAGE_SIZE or \
+      page_size & (page_size - 1):
+    raise ValueError(
+        f"page_size (k_pages {_shape(k_pages)}, dim 1) must be a power of two >= "
+        f"{MIN_PAGE_SIZE}, got {page_size}")
+  B, max_pages = _shape(block_table)
+  # The pages seen as one (B, S, K, H) cache, for the checks shared with it.
+  view = lambda x: jax.ShapeDtypeStruct((B, max_pages * page_size, *_shape(x)[2:]), x.dtype)
+  try:
+    return check_qkv(query, view(k_pages), view(v_pages))
+  except ValueError as err:
+    raise ValueError(
+        f"query {_shape(query)}, k_pages {_shape(k_pages)} and v_pages {_shape(v_pages)} do "
+        f"not fit (B, T, N, H) x (pages, page_size, K, H) (both pools one shape, N a multiple "
+        f"of K): {err}") from None
+
+
 def check_broadcast_operand(name: str, x, dims: Dims) -> None:
   """Checks a 4-D bias or mask broadcastable to (B, N, T, S).
 
@@ -176,11 +226,11 @@ def check_seq_lengths(name: str, x, B: int) -> None:
 def check_operands(config: AttentionConfig, operands) -> Dims:
   """Checks all operands of the primitive against ``config``; returns dims."""
   n_expected = 3 + sum((config.has_bias, config.has_mask, config.has_q_lens,
-                        config.has_kv_lens))
+                        config.has_kv_lens, config.has_block_table))
   if len(operands) != n_expected:
     raise ValueError(f"expected {n_expected} operands, got {len(operands)}")
-  q, k, v, bias, mask, q_lens, kv_lens = config.split_operands(operands)
-  dims = check_qkv(q, k, v)
+  q, k, v, bias, mask, q_lens, kv_lens, block_table = config.split_operands(operands)
+  dims = check_qkv(q, k, v) if block_table is None else check_paged(q, k, v, block_table)
   if bias is not None:
     check_broadcast_operand("bias", bias, dims)
   if mask is not None:

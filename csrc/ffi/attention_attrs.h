@@ -79,6 +79,45 @@ inline xla::ffi::Error CheckQkv(xla::ffi::Span<const int64_t> qd, xla::ffi::Span
   return xla::ffi::Error::Success();
 }
 
+// A paged cache's block table, read from the operands of a call.
+struct PagedKv {
+  const int32_t* block_table = nullptr;  // (B, max_pages), or null: not paged
+  int64_t max_pages = 0, pages = 0, page_size = 0;
+  int64_t page_shift = 0;  // log2(page_size)
+};
+
+// The smallest page a paged cache may have: the CUDA decode kernel reads
+// tiles of 16 keys from at most two pages (attention_decode.cu).
+constexpr int64_t kMinPageSize = 16;
+
+// Reads (B, T, N, H) x (B, S, K, H) as CheckQkv does, or, with a non-empty
+// block table (B, max_pages), a paged cache: key and value pools of
+// (pages, page_size, K, H), page_size a power of two >= kMinPageSize, and S =
+// max_pages * page_size.
+inline xla::ffi::Error CheckQkvPaged(xla::ffi::Span<const int64_t> qd,
+                                     xla::ffi::Span<const int64_t> kd,
+                                     xla::ffi::Span<const int64_t> vd,
+                                     xla::ffi::Buffer<xla::ffi::S32>& table, QkvDims* d,
+                                     PagedKv* paged) {
+  *paged = PagedKv{};
+  if (table.element_count() == 0) return CheckQkv(qd, kd, vd, d);
+  auto td = table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || td[0] != qd[0] ||
+      !std::equal(vd.begin(), vd.end(), kd.begin(), kd.end()) || kd[3] != qd[3] ||
+      kd[2] == 0 || qd[2] % kd[2] != 0 || kd[1] < kMinPageSize || (kd[1] & (kd[1] - 1))) {
+    return xla::ffi::Error::InvalidArgument(
+        "query " + DimsString(qd) + ", key/value pages " + DimsString(kd) +
+        " and block table " + DimsString(td) +
+        " do not fit (B, T, N, H) x (pages, page_size, K, H) x (B, max_pages) with page_size a "
+        "power of two >= " + std::to_string(kMinPageSize));
+  }
+  *d = QkvDims{qd[0], qd[1], td[1] * kd[1], qd[2], kd[2], qd[3]};
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < kd[1]) ++shift;
+  *paged = PagedKv{table.typed_data(), td[1], kd[0], kd[1], shift};
+  return xla::ffi::Error::Success();
+}
+
 // The data of a (B,) lengths operand, or nullptr when it is empty (absent).
 inline xla::ffi::Error CheckLengths(const char* name, xla::ffi::Buffer<xla::ffi::S32>& lens,
                                     int64_t B, const int32_t** data) {

@@ -109,15 +109,26 @@ const XLA_FFI_TypeInfo* CudaSiteStateTypeInfo() {
 namespace {
 
 // Checks the buffers against the site's variant; *d gets the call's shapes.
+// With a block table (the forward's; non-empty: a paged cache, which only
+// the decode kernel reads), *paged gets it.
 ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer out, fastattn::QkvDims* d,
+                     ffi::Buffer<ffi::S32>* table = nullptr, fastattn::PagedKv* paged = nullptr,
                      ffi::DataType out_type = ffi::DataType::INVALID) {
   if (out_type == ffi::DataType::INVALID) out_type = out.element_type();
-  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), d);
+  fastattn::PagedKv none;
+  if (auto err = table ? fastattn::CheckQkvPaged(q.dimensions(), k.dimensions(), v.dimensions(),
+                                                 *table, d, paged)
+                       : fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), d);
       err.failure()) {
     return err;
   }
+  if (!paged) paged = &none;
   const cu::KernelVariant& var = site.variant;
+  if (paged->block_table && !var.decode_rows) {
+    return ffi::Error::InvalidArgument("CUDA attention kernel " + var.Describe() +
+                                       ": only the decode kernel reads a paged cache");
+  }
   if (DtypeCode(q.element_type()) != var.dtype || k.element_type() != q.element_type() ||
       v.element_type() != q.element_type() || DtypeCode(out_type) != var.out_dtype) {
     return ffi::Error::InvalidArgument("CUDA attention kernel " + var.Describe() +
@@ -222,10 +233,13 @@ ffi::Error InitializeContext(cu::CUstream stream, SiteState* site, const fastatt
 ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
                           ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32>,
-                          ffi::ResultBuffer<ffi::F32>, CallAttrs) {
+                          ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::ResultBuffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>, CallAttrs) {
   fastattn::QkvDims d;
-  if (auto err = CheckCall(*site, q, k, v, *out, &d); err.failure()) return err;
+  fastattn::PagedKv paged;
+  if (auto err = CheckCall(*site, q, k, v, *out, &d, &block_table, &paged); err.failure()) {
+    return err;
+  }
   return InitializeContext(stream, site, d);
 }
 
@@ -238,7 +252,10 @@ ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer
                          ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                          ffi::AnyBuffer dv, fastattn::QkvDims* d) {
   const bool atomic = site.variant.backward == 2;
-  if (auto err = CheckCall(site, q, k, v, dq, d, dk.element_type()); err.failure()) return err;
+  if (auto err = CheckCall(site, q, k, v, dq, d, nullptr, nullptr, dk.element_type());
+      err.failure()) {
+    return err;
+  }
   const int64_t rows = d->B * d->T * d->N;
   if (d_out.element_type() != q.element_type() ||
       d_out.element_count() != q.element_count() ||
@@ -377,10 +394,14 @@ ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const FaTile& t
 ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
                        ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
-                       ffi::ResultBuffer<ffi::F32> workspace, CallAttrs) {
+                       ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> workspace,
+                       CallAttrs) {
   fastattn::QkvDims d;
-  if (auto err = CheckCall(*site, q, k, v, *out, &d); err.failure()) return err;
+  fastattn::PagedKv paged;
+  if (auto err = CheckCall(*site, q, k, v, *out, &d, &block_table, &paged); err.failure()) {
+    return err;
+  }
   const cu::Driver* driver;
   cu::CUcontext context;
   if (auto err = StreamContext(stream, &driver, &context); err.failure()) return err;
@@ -403,6 +424,12 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
   void* args[2];
   if (site->variant.decode_rows) {
     FillOperands(d, kd, false, q, k, v, *out, *lse, kv_data, &dp);
+    if (paged.block_table) {
+      dp.kv_stride[0] = paged.page_size * d.K * d.H;
+      dp.paged = FaPages{paged.block_table, static_cast<int>(paged.max_pages),
+                         static_cast<int>(paged.pages),
+                         static_cast<int>(paged.page_shift)};
+    }
     dp.rules = site->rules;
     if (auto err = FillSplit(*c, *workspace, d.H, &dp.split); err.failure()) return err;
     args[0] = &dp;
@@ -504,6 +531,7 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
 
 #define FASTATTN_CUDA_BINDING(stage)                                 \
   FASTATTN_CUDA_OPERANDS(stage)                                     \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* block table or empty */     \
       .Ret<ffi::AnyBuffer>()         /* out */                      \
       .Ret<ffi::Buffer<ffi::F32>>()  /* lse */                      \
       .Ret<ffi::Buffer<ffi::F32>>()  /* split-KV workspace */       \

@@ -100,11 +100,23 @@ struct FaGradParams : FaParams {
   long long dkv_stride[3];
 };
 
+// A paged KV cache (FaDecodeParams): k and v are pools of pages of
+// 2^page_shift positions, (pages, page size, K, H) with kv_stride[0] the
+// stride of a page; position j of sequence b lives at row j % page size of
+// page block_table[b * max_pages + j / page size] (clamped to [0, pages)).
+struct FaPages {
+  const int* block_table;  // (B, max_pages); null: k and v are (B, S, K, H)
+  int max_pages;
+  int pages;
+  int page_shift;
+};
+
 // The decode kernel's: no bias, mask or query lengths (the host sends such
-// calls to the forward kernels).
+// calls to the forward kernels); the only kernel that reads a paged cache.
 struct FaDecodeParams : FaOperands {
   FaRules rules;
   FaSplitKV split;
+  FaPages paged;
 };
 
 // A TMA descriptor (the driver's CUtensorMap, filled by

@@ -51,6 +51,11 @@
 // The index rules (end-aligned causal among the T rows, window, key lengths)
 // are attention_rules.h's.
 //
+// A paged cache (FaPages: pools of pages of at least kTileKeys positions and
+// a block table) is read in place: a key's row is looked up in its
+// sequence's row of the block table, so a tile's keys come from at most two
+// pages; everything else is the contiguous walk.
+//
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (a
 // power of two up to fa_decode_max_rows), the rows a block holds;
 // FA_KERNEL_SM 75 or 80, the build. Any scale and the soft cap are handled
@@ -141,9 +146,21 @@ struct DecodeBlock {
   // Build 80: fa_units(scale), or fa_units(1) under a soft cap; build 75:
   // log2 units, {ln 2, 1}.
   FaUnits units;
-  const unsigned short* k_head;  // key 0 of head kvh; keys key_stride apart
+  // Head kvh of key 0 (of page 0 where paged); a page's keys key_stride
+  // apart (a contiguous cache is one page of every key).
+  const unsigned short* k_head;
   const unsigned short* v_head;
   long long key_stride;
+  const int* pages;  // sequence b's row of the block table, or null
+  int page_shift, page_count;
+  long long page_stride;
+
+  // The offset (elements) of key j's row from k_head / v_head.
+  __device__ __forceinline__ long long key_at(int j) const {
+    if (!pages) return j * key_stride;
+    const int page = min(max(__ldg(pages + (j >> page_shift)), 0), page_count - 1);
+    return page * page_stride + (j & ((1 << page_shift) - 1)) * key_stride;
+  }
 
   // Row r's offset (elements) in q / out, and in lse.
   __device__ long long q_at(const FaDecodeParams& p, int r) const {
@@ -239,12 +256,19 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     if (n < my_tiles) {
       const int key0 = tile_key(n);
       const unsigned stage = ring + (n % kStages) * 2 * kTileBytes;
+      // The tile's keys lie in at most two pages (a page holds at least
+      // kTileKeys): those before `turn` in key0's, the rest in the next.
+      const int turn = d.pages ? ((key0 >> d.page_shift) + 1) << d.page_shift : d.k1;
+      const long long first = d.key_at(key0);
+      const long long second = turn < d.k1 ? d.key_at(turn) : 0;
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) {
         const int at = 32 * (rg + kRowGroups * i) + lane, key = at / kChunks, c = at % kChunks;
         if (kCopies * 32 * kRowGroups > kTileKeys * kChunks && key >= kTileKeys) break;
         const bool valid = key0 + key < d.k1 && c < h_chunks;
-        const long long src = valid ? (key0 + key) * d.key_stride + c * 8 : 0;
+        const long long row = key0 + key < turn ? first + key * d.key_stride
+                                                : second + (key0 + key - turn) * d.key_stride;
+        const long long src = valid ? row + c * 8 : 0;
         const unsigned dst = stage + ring_at(key, c);
         fa_cp_async16(dst, d.k_head + src, valid);
         fa_cp_async16(dst + kTileBytes, d.v_head + src, valid);
@@ -407,8 +431,9 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       kc[u] = Chunk{};
       vc[u] = Chunk{};
       if (active && j[u] < d.k1) {
-        kc[u] = *reinterpret_cast<const Chunk*>(k_lane + j[u] * d.key_stride);
-        vc[u] = *reinterpret_cast<const Chunk*>(v_lane + j[u] * d.key_stride);
+        const long long row = d.key_at(j[u]);
+        kc[u] = *reinterpret_cast<const Chunk*>(k_lane + row);
+        vc[u] = *reinterpret_cast<const Chunk*>(v_lane + row);
       }
     }
     float x[kSteps][kRows];
@@ -525,6 +550,9 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   d.units = FaUnits{kFaLn2, 1.f};
 #endif
   d.key_stride = p.kv_stride[1];
+  d.page_shift = p.paged.page_shift;
+  d.page_count = p.paged.pages;
+  d.page_stride = p.kv_stride[0];
 
   // The block's walk through the lean partition: the steps (kBc
   // keys each) of all B * K units, a unit of batch b taking those of the keys
@@ -601,7 +629,9 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     d.kv_len = fa_kv_len(p, d.b);
     d.k0 = min(s_lean.hi, s_lean.lo + s0 * kBc);
     d.k1 = min(s_lean.hi, s_lean.lo + s1 * kBc);
-    const long long kv_at = fa_at(p.kv_stride, d.b, 0, d.kvh);
+    d.pages = p.paged.block_table ? p.paged.block_table + (long long)d.b * p.paged.max_pages
+                                  : nullptr;
+    const long long kv_at = fa_at(p.kv_stride, d.pages ? 0 : d.b, 0, d.kvh);
     d.k_head = static_cast<const unsigned short*>(p.k) + kv_at;
     d.v_head = static_cast<const unsigned short*>(p.v) + kv_at;
 
