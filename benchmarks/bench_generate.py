@@ -42,17 +42,21 @@ WARMUP_STEPS = 2
 _PROMPTS = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2"
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def jaxnn_decode_step(params, cache: KVCache, tokens, *, config: llama.LlamaConfig):
+@functools.partial(jax.jit, static_argnames=("config", "implementation"),
+                   donate_argnames=("cache",))
+def jaxnn_decode_step(params, cache: KVCache, tokens, *, config: llama.LlamaConfig,
+                      implementation: str | None = None):
   """``llama.decode_step`` over a ``KVCache`` with ``jax.nn.dot_product_attention``
-  as the attention: tokens (B, 1) -> (logits (B, 1, V), cache advanced by one)."""
+  as the attention: tokens (B, 1) -> (logits (B, 1, V), cache advanced by one).
+  ``implementation`` is jax.nn's ("xla", "cudnn"; None: the one JAX picks)."""
   x = llama._embed(params, tokens)
   positions = cache.lengths[:, None]
   ks, vs = [], []
   for layer, p in enumerate(params["layers"]):
     q, k, v = llama._attention_inputs(config, p, x, positions)
     k, v = decode.write(cache.k[layer], cache.v[layer], cache.lengths, k, v)
-    attn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=cache.lengths + 1)
+    attn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=cache.lengths + 1,
+                                        implementation=implementation)
     x = llama._attention_output_and_mlp(config, p, x, attn)
     ks.append(k)
     vs.append(v)
