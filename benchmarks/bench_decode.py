@@ -28,6 +28,12 @@ before it is timed. The table's last column is fastattn's speed
 over the fastest competitor's at each shape (the faster of xla and cuDNN on
 GPUs).
 
+``--page-sizes 16,64,256`` adds ``decode_attention`` over a paged cache of
+each page size: the same K/V sets seen as pools of pages (a reshape, no
+copy) read through a block table that shuffles every sequence's pages over
+the pool (a fixed random permutation), reported as its share of the
+contiguous cache's bandwidth.
+
 Run::
 
   python -m benchmarks.bench_decode --out /tmp/decode
@@ -42,6 +48,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from benchmarks.bench import SUBJECT, WARMUP_SECONDS, int_list
@@ -81,6 +88,27 @@ def copy_bandwidth(device) -> float:
   x = jax.device_put(jnp.zeros((n,), jnp.bfloat16), device)
   fn = jax.jit(lambda x: jax.lax.fori_loop(0, calls, lambda _, y: y + 1, x))
   return 2 * n * 2 * calls / median_seconds(lambda: fn(x), repeats=5)
+
+
+#: Name prefix of the paged-cache entries (``paged_competitor``), which are
+#: not rivals: they are fastattn's own paged path.
+PAGED = "paged "
+
+
+def paged_competitor(page_size: int):
+  """``decode_attention`` over k, v (B, S, K, H) seen as pools of
+  (B * S / page_size, page_size, K, H) pages, each sequence's pages shuffled
+  over the pool by a fixed permutation (a constant block table)."""
+
+  def attention(q, k, v, lengths, mask):
+    B, S = k.shape[:2]
+    pages = B * S // page_size
+    table = np.random.default_rng(page_size).permutation(pages).reshape(B, S // page_size)
+    pool = lambda x: x.reshape(pages, page_size, *x.shape[2:])
+    return decode_attention(q, pool(k), pool(v), lengths,
+                            block_table=jnp.asarray(table, jnp.int32))
+
+  return attention
 
 
 def competitors(platform: str) -> dict:
@@ -147,10 +175,13 @@ def format_table(rows: list[dict], names: list[str], copy_gbs: float) -> str:
   (GB/s), and its speed over the fastest competitor's at that shape
   ("1.04x (cudnn)": the competitor takes 1.04 times as long); "err" and "-"
   where an entry did not run."""
-  rivals = [n for n in names if n != SUBJECT]
+  paged = [n for n in names if n.startswith(PAGED)]
+  rivals = [n for n in names if n != SUBJECT and n not in paged]
+  names = [n for n in names if n not in paged]
   versus = f"fastest of {', '.join(rivals)}" if len(rivals) > 1 else rivals[0]
   head = ["B", "T", "S"] + [f"{n} us" for n in names]
   head += [f"{SUBJECT} GB/s", f"{SUBJECT} % copy", f"{SUBJECT} vs {versus}"]
+  head += [f"{n} us (% of contiguous GB/s)" for n in paged]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     us = {n: r[n].get("us") for n in names}
@@ -163,6 +194,10 @@ def format_table(rows: list[dict], names: list[str], copy_gbs: float) -> str:
       cells.append(f"{us[best] / us[SUBJECT]:.2f}x ({best})" if best else "-")
     else:
       cells += ["-"] * 3
+    for n in paged:
+      paged_us = r[n].get("us")
+      cells.append(f"{paged_us:.1f} ({100 * us[SUBJECT] / paged_us:.0f}%)"
+                   if paged_us and us[SUBJECT] else "err")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -186,12 +221,15 @@ def main(argv=None) -> None:
   parser.add_argument("--footprint-mib", type=int, default=256,
                       help="least MiB of K and V the calls take turns over (keeps K/V out "
                            "of the L2)")
+  parser.add_argument("--page-sizes", type=int_list, default=(),
+                      help="also time a paged cache of these page sizes")
   parser.add_argument("--out", default="bench_results", help="output directory")
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
   platform = device.platform
   comps = competitors(platform)
+  comps.update({f"{PAGED}{p}": paged_competitor(p) for p in args.page_sizes})
   names = list(comps)
   copy_gbs = copy_bandwidth(device) / 1e9
   print(f"device: {device.device_kind}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
