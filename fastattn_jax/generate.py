@@ -5,7 +5,8 @@ A real model (``--model``): ``python -m fastattn_jax.generate --model smollm2
 loads a GGUF file (``fastattn_jax.models.gguf``; ``smollm2`` is the packaged
 SmolLM2-135M-Instruct), tokenizes the prompts (``--chat``: in the model's chat
 template), prefills them as one right-padded batch with ``fast_attention``,
-then decodes over a ``KVCache`` (``llama.generate``: greedy, or sampled with
+then decodes over a ``KVCache`` (``--paged PAGE_SIZE``: a ``PagedKVCache``)
+(``llama.generate``: greedy, or sampled with
 ``--temperature`` and ``--top-p``; ``--tensor-parallel P``: the heads split
 over P devices, ``fastattn_jax.parallel``), streaming the first prompt's text as it
 is produced, until end-of-sequence or ``--new-tokens``. It reports prefill
@@ -117,6 +118,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="with --model: sampling temperature; 0 is greedy (default: 0)")
   parser.add_argument("--top-p", type=float, default=1.0,
                       help="with --model: nucleus sampling's probability mass (default: 1)")
+  parser.add_argument("--paged", type=_positive_int, default=None, metavar="PAGE_SIZE",
+                      help="with --model: decode over a paged KV cache (PagedKVCache) of pages "
+                           "of PAGE_SIZE positions, a power of two >= 16 (default: a "
+                           "contiguous KVCache)")
   parser.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="P",
                       help="with --model: split the heads over the first P devices (tensor "
                            "parallelism with FastAttention's tiling-AllReduce, "
@@ -154,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   # Options of one kind of run only: given to the other, they are an error.
   preset_only = ("context", "prompt_len", "batch", "offload", "host_layers", "device_memory_gb",
                  "host_memory_gb")
-  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel")
+  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel", "paged")
   wrong = [name for name in (preset_only if args.model else model_only)
            if getattr(args, name) != parser.get_default(name)]
   if wrong:
@@ -162,6 +167,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  f"{'to --preset runs' if args.model else 'with --model'}")
   if args.model and not args.prompt:
     parser.error("--model needs at least one --prompt")
+  if args.paged is not None and args.tensor_parallel > 1:
+    parser.error("--paged runs on one device (no --tensor-parallel)")
   if not (args.temperature >= 0 and 0 < args.top_p <= 1):
     parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} "
                  f"and {args.top_p}")
@@ -498,7 +505,7 @@ def _run_model(args) -> dict:
   gen = llama.generate(params, prompts, config=config, new_tokens=args.new_tokens,
                        eos_id=model.eos_id, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, implementation=args.implementation,
-                       on_tokens=_Stream(model, 0), tp=tp)
+                       on_tokens=_Stream(model, 0), tp=tp, page_size=args.paged)
   print(flush=True)
   timings.update(prefill_compile=gen.prefill_compile_s, prefill=gen.prefill_s)
   # Decode step j produces token j + 1 of the prompts still generating; the
@@ -512,7 +519,8 @@ def _run_model(args) -> dict:
   results = {
       "model": gguf.model_path(args.model), "name": config.name, "dtype": config.dtype,
       "device": str(device), "device_kind": device.device_kind, "jax_version": jax.__version__,
-      "tensor_parallel": args.tensor_parallel, "implementation": path, "chat": args.chat,
+      "tensor_parallel": args.tensor_parallel, "page_size": args.paged,
+      "implementation": path, "chat": args.chat,
       "temperature": args.temperature,
       "top_p": args.top_p, "seed": args.seed, "prompts": args.prompt,
       "prompt_tokens": [len(p) for p in prompts],

@@ -154,11 +154,14 @@ def test_logits_through_every_path(smollm2, path, platform):
 
 
 @needs_model
-def test_greedy_tokens_are_transformers(smollm2):
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_greedy_tokens_are_transformers(smollm2, page_size):
   """All prompts in one batch (different lengths: padding through lengths),
-  greedy: the tokens transformers' generate gave."""
+  greedy, over a contiguous and a paged KV cache: the tokens transformers'
+  generate gave."""
   gen = llama.generate(smollm2.params, _prompt_ids(), config=smollm2.config,
-                       new_tokens=len(REFERENCE["greedy"][0]["ids"]), eos_id=smollm2.eos_id)
+                       new_tokens=len(REFERENCE["greedy"][0]["ids"]), eos_id=smollm2.eos_id,
+                       page_size=page_size)
   for got, ref in zip(gen.tokens, REFERENCE["greedy"]):
     assert got == ref["ids"]
     assert smollm2.decode(got) == ref["text"]

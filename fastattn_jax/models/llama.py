@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from fastattn_jax import KVCache, fast_attention, offload, parallel
+from fastattn_jax import KVCache, PagedKVCache, fast_attention, offload, parallel
 
 Params = dict[str, Any]
 
@@ -440,8 +440,8 @@ def decoder(config: LlamaConfig, tp: parallel.TensorParallel | None = None) -> o
                          head=functools.partial(_logits, config))
 
 
-def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, tokens, *,
-                config: LlamaConfig, implementation=None,
+def decode_step(params: Params, cache: KVCache | PagedKVCache | offload.OffloadedKVCache,
+                tokens, *, config: LlamaConfig, implementation=None,
                 tp: parallel.TensorParallel | None = None):
   """One decode step over a KV cache, on the device or partly offloaded to host memory.
 
@@ -457,8 +457,9 @@ def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, token
 
   Args:
     params: from ``init_params``, on the device.
-    cache: a ``KVCache`` or an ``offload.OffloadedKVCache`` of
-      ``config.num_layers`` layers of (B, S_max, K, H) in ``config.dtype``.
+    cache: a ``KVCache``, ``PagedKVCache`` or ``offload.OffloadedKVCache`` of
+      ``config.num_layers`` layers of (B, S_max, K, H) (paged: pools of
+      pages of K, H) in ``config.dtype``.
     tokens: (B, T) integer, the new tokens (T = 1 for plain decoding).
     config: the model shape.
     implementation: passed to ``decode_attention`` for device-resident and
@@ -484,6 +485,8 @@ def decode_step(params: Params, cache: KVCache | offload.OffloadedKVCache, token
   if isinstance(cache, offload.OffloadedKVCache):
     plan = cache.plan
     layer_shape = (plan.batch, plan.max_len, plan.kv_heads, plan.head_dim)
+  elif isinstance(cache, PagedKVCache):
+    layer_shape = (cache.block_table.shape[0], cache.max_len, *cache.k[0].shape[2:])
   else:
     layer_shape = cache.k[0].shape
   kv_heads = config.num_kv_heads if tp is None else tp.kv_heads
@@ -538,9 +541,11 @@ class Generation:
 def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
              eos_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, implementation=None, on_tokens=None,
-             tp: parallel.TensorParallel | None = None) -> Generation:
+             tp: parallel.TensorParallel | None = None,
+             page_size: int | None = None) -> Generation:
   """Continues prompts of different lengths: one prefill with
-  ``fast_attention``, then decode steps over a ``KVCache``.
+  ``fast_attention``, then decode steps over a ``KVCache`` (or, with
+  ``page_size``, a ``PagedKVCache``).
 
   The prompts are right-padded to the longest, P; causal attention keeps a
   prompt's positions blind to its padding, the cache's ``lengths`` start at
@@ -564,6 +569,9 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
       ``shard_params``): the prefill's attention in FastAttention's
       tiling-AllReduce (``parallel.attention_block``, schedule "auto"), the
       steps over a KV cache split by heads.
+    page_size: None for a contiguous cache; else the page size of a
+      ``PagedKVCache`` whose pool holds every prompt's pages and its new
+      tokens' (not with ``tp``).
 
   Returns:
     A ``Generation``.
@@ -598,7 +606,12 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
   logits, k, v = jax.block_until_ready(compiled(params, tokens))
   prefill_s = time.perf_counter() - start
 
-  cache = KVCache.from_prefill(k, v, lengths, P + new_tokens)
+  if page_size is None:
+    cache = KVCache.from_prefill(k, v, lengths, P + new_tokens)
+  else:
+    pages = int(sum(-(-(n + new_tokens) // page_size) for n in lengths))
+    cache = PagedKVCache.from_prefill(k, v, lengths, num_pages=pages, page_size=page_size,
+                                      max_len=P + new_tokens)
   del k, v
   key = jax.random.key(seed)
   last = logits[jnp.arange(B), jnp.asarray(lengths) - 1]

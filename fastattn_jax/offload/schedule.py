@@ -4,7 +4,7 @@ A decoder layer computes its attention inputs (projections, position
 encoding) from the residual stream, attends over its cache, then computes the
 rest (output projection, feed-forward, residuals). ``decode_step`` runs the
 layers of any model described by a ``Decoder`` over a
-``fastattn_jax.decode.KVCache`` (all layers in one jitted call) or an
+``KVCache`` or ``PagedKVCache`` (all layers in one jitted call) or an
 ``OffloadedKVCache``: there, each run of consecutive device-resident layers is
 one jitted call with their caches donated, and each host-resident layer runs
 its projections on the device and its attention through
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from fastattn_jax.decode import KVCache
 from fastattn_jax.offload.cache import OffloadedKVCache
+from fastattn_jax.paged import PagedKVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Decoder:
   head: Callable
   layer: Callable | None = None
 
-  def run_layer(self, p, x, cache: KVCache, slot: int, positions, implementation):
+  def run_layer(self, p, x, cache: KVCache | PagedKVCache, slot: int, positions,
+                implementation):
     """One layer over slot ``slot`` of ``cache``: ``(x, cache)``, lengths unchanged."""
     if self.layer is None:
       q, k, v = self.attention_inputs(p, x, positions)
@@ -79,15 +81,18 @@ def _positions(lengths, T):
 @functools.partial(jax.jit, static_argnames=("decoder", "slots", "embed", "head", "advance",
                                              "checked", "implementation"),
                    donate_argnames=("cache",))
-def _device_layers(layer_params, top, x, cache: KVCache, *, decoder, slots, embed, head, advance,
-                   checked, implementation):
+def _device_layers(layer_params, top, x, cache: KVCache | PagedKVCache, *, decoder, slots, embed,
+                   head, advance, checked, implementation):
   """Consecutive layers whose caches are in ``cache`` (slot i of ``cache`` per layer), jitted.
 
   ``x`` is tokens (B, T) when ``embed``, else the residual stream (B, T, D);
   returns logits (B, T, V) when ``head``, else the residual stream, and the
   updated cache (lengths grown by T when ``advance``; ``checked``: the room
-  was checked before the step, so ``advance`` needs no host callback).
+  was checked before the step, so ``advance`` needs no host callback). A
+  ``PagedKVCache`` gets its pages for the step first (``reserve``).
   """
+  if isinstance(cache, PagedKVCache):
+    cache = cache.reserve(x.shape[1])
   if embed:
     x = decoder.embed(top, x)
   positions = _positions(cache.lengths, x.shape[1])
@@ -113,13 +118,14 @@ def _host_layer_outputs(p, top, x, attn, *, decoder, head):
 
 
 def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
-                cache: KVCache | OffloadedKVCache, tokens, *, implementation=None):
+                cache: KVCache | PagedKVCache | OffloadedKVCache, tokens, *,
+                implementation=None):
   """One decode step: the T new tokens through every layer, their keys and values cached.
 
   Writes the keys and values of the new tokens of every layer at positions
   ``cache.lengths[b] + t`` and attends with ``decode_attention`` (causal
-  among the new tokens). Over a ``KVCache`` all layers run as one jitted
-  call; over an ``OffloadedKVCache`` each run of consecutive device-resident
+  among the new tokens). Over a ``KVCache`` or ``PagedKVCache`` all layers
+  run as one jitted call; over an ``OffloadedKVCache`` each run of consecutive device-resident
   layers is one jitted call and each host-resident layer is served through
   ``OffloadedKVCache.attend`` (see the module docstring). Either cache is
   donated: the passed ``cache`` must not be used afterwards.
@@ -149,7 +155,10 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
     raise ValueError(f"decode_step: a KV cache of {cache.num_layers} layers for {L} layers of "
                      f"parameters")
   T = tokens.shape[1]
-  if isinstance(cache, KVCache):
+  if isinstance(cache, PagedKVCache) and decoder.layer is not None:
+    raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
+                     "KVCache, not a PagedKVCache")
+  if isinstance(cache, (KVCache, PagedKVCache)):
     return _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
                           slots=tuple(range(L)), embed=True, head=True, advance=True,
                           checked=cache.check_room(T), implementation=implementation)
