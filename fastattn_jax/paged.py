@@ -26,7 +26,7 @@ from jax.experimental import io_callback
 from fastattn_jax import shapes
 from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import seq_lengths
-from fastattn_jax.decode import decode_attention
+from fastattn_jax.decode import decode_attention, host_lengths
 
 
 def _raise_if_short(missing, lengths, T, max_len, pages_free):
@@ -311,8 +311,9 @@ class PagedKVCache:
     """
     if isinstance(self.lengths, jax.core.Tracer):
       return False
-    missing, free = self._missing_pages(self.lengths + T)
-    _raise_if_short(missing, self.lengths, T, self.max_len, free)
+    lengths = host_lengths(self.lengths)
+    missing, free = self._missing_pages(lengths + T)
+    _raise_if_short(missing, lengths, T, self.max_len, free)
     return True
 
   def advance(self, T: int, *, check: bool = True) -> "PagedKVCache":

@@ -15,6 +15,7 @@ from fastattn_jax import generate
 from fastattn_jax.models import llama
 from fastattn_jax import offload
 from fastattn_jax._util import host_cpu_device
+from fastattn_jax import decode
 from fastattn_jax.decode import KVCache
 
 TINY32 = llama.preset("tiny", dtype="float32")
@@ -87,7 +88,13 @@ def test_prefill_and_cached_decode_match_a_float64_forward_pass(params, rng):
     logits, cache = llama.decode_step(params, cache, new, config=TINY32)
     expected = reference_logits(params, sequence, TINY32)[:, -1:]
     np.testing.assert_allclose(logits, expected, atol=2e-4)
+    # The step recorded its lengths on the host (the next check_room reads
+    # no device), and recorded them right.
+    np.testing.assert_array_equal(decode.host_lengths(cache.lengths), np.asarray(cache.lengths))
+    assert decode._KNOWN_LENGTHS[id(cache.lengths)][0]() is cache.lengths
   np.testing.assert_array_equal(cache.lengths, P + steps)
+  with pytest.raises(ValueError, match="overflow"):
+    llama.decode_step(params, cache, new, config=TINY32)
 
 
 def _greedy(params, plan, fill, first, steps):

@@ -480,7 +480,9 @@ def decode_step(params: Params, cache: KVCache | PagedKVCache | offload.Offloade
       ``decode.write`` and ``OffloadedKVCache.check_room``), or ``tp`` with
       an ``OffloadedKVCache``.
   """
-  tokens = jnp.asarray(tokens)
+  # Host tokens stay on the host: the jitted step takes them with its other
+  # arguments, where an eager transfer here was one more round trip a step.
+  tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
   _check_tokens(tokens, "decode_step")
   if isinstance(cache, offload.OffloadedKVCache):
     plan = cache.plan
@@ -631,7 +633,7 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
     if step == new_tokens - 1 or not active.any():
       break
     start = time.perf_counter()
-    logits, cache = decode_step(params, cache, jnp.asarray(ids)[:, None], config=config,
+    logits, cache = decode_step(params, cache, ids[:, None], config=config,
                                 implementation=implementation, tp=tp)
     next_ids = sample(logits[:, 0], jax.random.fold_in(key, step + 1), temperature=temperature,
                       top_p=top_p)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from fastattn_jax import decode
 from fastattn_jax.decode import KVCache
 from fastattn_jax.offload.cache import OffloadedKVCache
 from fastattn_jax.paged import PagedKVCache
@@ -159,9 +160,14 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
     raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
                      "KVCache, not a PagedKVCache")
   if isinstance(cache, (KVCache, PagedKVCache)):
-    return _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
-                          slots=tuple(range(L)), embed=True, head=True, advance=True,
-                          checked=cache.check_room(T), implementation=implementation)
+    checked = cache.check_room(T)
+    known = decode.host_lengths(cache.lengths) if checked else None
+    logits, cache = _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
+                                   slots=tuple(range(L)), embed=True, head=True, advance=True,
+                                   checked=checked, implementation=implementation)
+    if checked:  # the next step's check_room needs no device round trip
+      decode.remember_lengths(cache.lengths, known + T)
+    return logits, cache
   if decoder.layer is not None:
     raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
                      "KVCache, not an OffloadedKVCache")
