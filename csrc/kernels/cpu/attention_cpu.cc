@@ -85,20 +85,45 @@ constexpr int64_t kBc = 128;
 // vector width.
 constexpr int64_t kBb = 64;
 
-// Decode: when every (batch, key/value head) has at most kFewRows packed query rows (T * G), the
-// head dimension goes in the vector lanes and a work item spans all heads (process_decode_item).
-// S = 32768, bf16, H = 128, N = 64, K = 8, T = 1: 24 ms with the limit at 8, 31 ms at 4 (the rows
-// in lanes path); f32, H = 64, N = K = 8, T = 16: 8.7 ms in lanes, 12 ms with the limit at 16.
-constexpr int64_t kFewRows = 8;
+// Decode: when every (batch, key/value head) has at most kDecodeRows packed query rows (T * G), a
+// work item spans all heads and streams key tiles of all heads in address order
+// (process_decode_item). Up to kFewRows rows per head the head dimension goes in the vector lanes,
+// above them the query rows. S = 16384, N = K = 8, H = 128, B = 1, CPU ms per call with the head
+// dimension / the rows in the lanes (AVX-512, bf16; f32 alike):
+//   rows  4: 16.3 / 21.1   6: 21.0 / 21.2   7: 23.9 / 20.9   8: 26.0 / 21.1
+// (earlier: S = 32768, bf16, H = 128, N = 64, K = 8, T = 1: 24 ms with the head dimension in the
+// lanes, 31 ms with the rows).
+constexpr int64_t kFewRows = 6;
+// With the rows in the lanes, the tiled kernel's micro-kernels run on the all-heads tiles, one
+// level-2 slice per head. N = 32, K = 8, H = 128, S = 16384, bf16, B = 1, CPU ms per call, decode
+// path / tiled kernel: T = 2 (8 rows) 22.3 / 30.4, T = 4 (16) 21.9 / 31.1, T = 8 (32) 28.9 / 42.7,
+// T = 16 (64) 50.6 / 63.6; 64 rows fill the slice.
+constexpr int64_t kDecodeRows = kBb;
 // Decode key tiles: K and V of one tile (all heads, as floats) take at most this many bytes, so
 // that it and the next one, being prefetched, fit in half of the 1 MB L2 (128 KB to 1 MB
 // measured the same).
 constexpr int64_t kDecodeTileBytes = 256 * 1024;
+// With the rows in the lanes, the scores read a converted tile's K as broadcast scalars from up to
+// 2 * kKeys keys at once (kBlockKeys): its keys are laid out K * Hp + kTilePad floats apart, so
+// that keys K * Hp = 1024 floats (4 KB) apart do not all fall into one set of the 8-way L1 (bf16,
+// T = 4, 24 keys at once: 33 ms unpadded, 23 ms padded).
+constexpr int64_t kTilePad = 16;
 // Vectors of an O row accumulated at once on the decode path.
 constexpr int kRowVecs = 8;
-// Whether the forward of a call runs the decode path: the backward then recomputes its logits in
-// the decode path's order (attention_cpu_kernel.inc: dot_keys).
-bool decode_rows(const AttentionParams& p) { return p.T * (p.N / p.K) <= kFewRows; }
+
+// How the forward runs a call: the tiled kernel, or the decode path with the head dimension or
+// the query rows in the vector lanes.
+enum class DecodeLayout { kNone, kHeadLanes, kRowLanes };
+
+// The one rule of the forward's plan and of the backward's recomputation of the logits: the
+// decode path with the head dimension in the lanes sums them in its own order
+// (attention_cpu_kernel.inc: dot_keys); the other paths sum them as score_block does.
+DecodeLayout decode_layout(const AttentionParams& p) {
+  const int64_t rows = p.T * (p.N / p.K);
+  if (rows <= kFewRows) return DecodeLayout::kHeadLanes;
+  if (rows <= kDecodeRows) return DecodeLayout::kRowLanes;
+  return DecodeLayout::kNone;
+}
 
 // The backward's tiles: kBwdBr query rows by kBwdBc keys, a multiple of every vector width (the
 // keys are the lanes). 64 x 64 keeps a tile's P, dS and soft-cap factors (48 KB) and the key
@@ -122,8 +147,10 @@ struct Problem {
   const AttentionParams* p;
   int64_t G;             // query heads per key/value head
   int64_t packed_rows;   // T * G rows per (b, kh)
-  bool decode;           // packed_rows <= kFewRows: work items (b, split), all heads
+  bool decode;           // packed_rows <= kDecodeRows: work items (b, split), all heads
+  bool row_lanes;        // decode with the rows in the lanes (packed_rows > kFewRows)
   int64_t decode_keys;   // keys per tile on the decode path
+  int64_t ldq;           // decode: packed rows per head in the Q / O state and per-row state
   int64_t Br;            // packed rows per work item otherwise, a multiple of kBb
   int64_t tiles;         // ceil(packed_rows / Br)
   int64_t splits;        // split-KV factor, 1 when off
@@ -137,11 +164,11 @@ struct Problem {
 };
 
 // Per-thread working memory: O((Br + Bc) * H) floats; decode: O(K * (T * G + 32) * H), the
-// Q and O rows of every head plus K / V tiles of all heads (at least 16 keys).
+// Q and O rows (or Q^T and O^T) of every head plus K / V tiles of all heads (at least 16 keys).
 struct Scratch {
-  float* qt;          // H x Br     Q^T, converted (decode: a Q row per head and row)
-  float* ot;          // H x Br     O^T accumulators (decode: O rows)
-  float* st;          // Bc x Bb    S^T, then P^T, of one slice (decode: one row's scores)
+  float* qt;          // H x Br     Q^T, converted (decode: a Q row per head and row, or Q^T per head)
+  float* ot;          // H x Br     O^T accumulators (decode: O rows, or O^T per head)
+  float* st;          // Bc x Bb    S^T, then P^T, of one slice (decode: one row's scores, or S^T)
   float* kv;          // converted K and V tiles (decode: all heads, padded to Hp)
   float* m;           // rows       running max
   float* l;           // rows       running sum
@@ -454,13 +481,17 @@ void plan(const AttentionParams& p, int64_t cpus, Problem* pb, int64_t* workers)
   pb->G = p.N / p.K;
   pb->packed_rows = p.T * pb->G;
   int64_t base_items;
-  pb->decode = decode_rows(p);  // packed_rows <= kFewRows
+  const DecodeLayout layout = decode_layout(p);
+  pb->decode = layout != DecodeLayout::kNone;
   if (pb->decode) {
     const int64_t Hp = round_up(p.H, 16);
+    pb->row_lanes = layout == DecodeLayout::kRowLanes;
     pb->decode_keys = std::clamp<int64_t>(kDecodeTileBytes / (8 * p.K * Hp) / 16 * 16, 16, kBc);
-    pb->q_floats = p.K * pb->packed_rows * Hp;
-    pb->kv_floats = 2 * pb->decode_keys * p.K * Hp;
-    pb->row_capacity = round_up(p.K * pb->packed_rows, 16);
+    // Rows in lanes: whole vectors of rows per head (16 covers every vector width).
+    pb->ldq = pb->row_lanes ? round_up(pb->packed_rows, 16) : pb->packed_rows;
+    pb->q_floats = p.K * pb->ldq * Hp;
+    pb->kv_floats = 2 * pb->decode_keys * (p.K * Hp + kTilePad);
+    pb->row_capacity = round_up(p.K * pb->ldq, 16);
     base_items = p.B;
   } else {
     pb->Br = kMaxBr;
@@ -482,9 +513,10 @@ void plan(const AttentionParams& p, int64_t cpus, Problem* pb, int64_t* workers)
 CpuPlan Describe(const Problem& pb, int64_t workers) {
   CpuPlan plan;
   plan.decode = pb.decode;
+  plan.row_lanes = pb.row_lanes;
   plan.Br = pb.decode ? 0 : pb.Br;
   plan.Bc = pb.decode ? pb.decode_keys : kBc;
-  plan.Bb = pb.decode ? 0 : kBb;
+  plan.Bb = pb.decode && !pb.row_lanes ? 0 : kBb;
   plan.splits = pb.splits;
   plan.items = pb.items;
   plan.workers = workers;

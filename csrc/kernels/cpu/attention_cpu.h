@@ -63,10 +63,12 @@ struct CpuWorkers {
 // How a call runs (FastAttention's two-level tiling of the rows; split-KV
 // after Flash-Decoding when its work items leave workers idle).
 struct CpuPlan {
-  bool decode = false;   // T * N / K <= kFewRows: items (b, split) span all heads, H in the lanes
+  bool decode = false;   // T * N / K <= 64: items (b, split) span all heads
+  bool row_lanes = false;  // decode with the query rows in the vector lanes (T * N / K > 6),
+                           // else the head dimension
   int64_t Br = 0;        // packed query rows per item (0 on the decode path)
   int64_t Bc = 0;        // keys per tile
-  int64_t Bb = 0;        // rows per level-2 slice (0 on the decode path)
+  int64_t Bb = 0;        // rows per level-2 slice (0 on the decode path with H in the lanes)
   int64_t splits = 1;    // split-KV factor
   int64_t items = 0;     // work items
   int64_t workers = 1;   // workers that take items (the calling thread included)
@@ -76,8 +78,8 @@ struct CpuPlan {
 
   // Every field above by name, for logs and Python.
   std::vector<std::pair<std::string, int64_t>> Facts() const {
-    return {{"decode", decode}, {"Br", Br}, {"Bc", Bc}, {"Bb", Bb}, {"splits", splits},
-            {"items", items}, {"workers", workers}, {"scratch_floats", scratch_floats},
+    return {{"decode", decode}, {"row_lanes", row_lanes}, {"Br", Br}, {"Bc", Bc}, {"Bb", Bb},
+            {"splits", splits}, {"items", items}, {"workers", workers}, {"scratch_floats", scratch_floats},
             {"lanes", lanes}};
   }
 };
@@ -91,7 +93,7 @@ CpuPlan PlanCpu(const AttentionParams& params, int64_t workers);
 // count without one), out has no elements. Runs on `workers` as PlanCpu plans
 // it and returns that plan. Memory beyond inputs and outputs is O((Br + Bc) * H)
 // floats per worker (O(K * (T * N / K + 32) * H) on the decode path, T * N /
-// K <= 8), plus split-KV partials of O(splits * T * N * H) floats when T is
+// K <= 64), plus split-KV partials of O(splits * T * N * H) floats when T is
 // small and S long.
 CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& workers);
 
