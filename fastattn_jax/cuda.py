@@ -148,7 +148,9 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   in a fixed summation order where ``config.deterministic``): the owner's
   ``CallPlan`` as a dict (variant key and fields, operand dtype code, row
   elements, fold_heads). The forward's out is float32 where
-  ``config.float32_out`` (the variant's out_dtype), else in ``dtype``.
+  ``config.float32_out`` (the variant's out_dtype), else in ``dtype``. With
+  ``config.has_block_table``, ``k_shape`` is the cache the pages make, (B,
+  max_pages * page_size, K, H), and a decode variant is the paged build.
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
@@ -168,7 +170,7 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic,
       DTYPE_CODES["float32"] if config.float32_out and not backward else -1,
-      config.for_backward and not backward)
+      config.for_backward and not backward, config.has_block_table and not backward)
 
 
 def describe_variant(plan_: dict) -> str:
@@ -234,8 +236,8 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
 
 def reads_pages(plan_: dict) -> bool:
   """Whether the kernel of ``plan_`` reads a paged cache in place: the decode
-  kernel's variants do (``csrc/kernels/cuda/attention_decode.cu``)."""
-  return _ffi.cuda_variant(plan_["variant"])["decode_rows"] > 0
+  kernel's paged build does (``csrc/kernels/cuda/attention_decode.cu``)."""
+  return bool(_ffi.cuda_variant(plan_["variant"])["paged"])
 
 
 def _kernel_rows(p: dict, *xs):

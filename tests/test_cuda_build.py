@@ -141,6 +141,30 @@ def test_decode_kernel_reads_bfloat16_on_every_arch(cache):
     assert plan["operand_dtype"] == DTYPE_CODES["bfloat16"]
 
 
+def test_paged_decode_is_its_own_build(cache):
+  """A paged cache gets the decode kernel's paged build (the contiguous build
+  keeps no block-table code: it cost 13-19% at B = 1), which compiles without
+  spills; above the decode kernel's rows the plan is the forward kernel's (the
+  caller gathers the pages)."""
+  if tu.has_gpu():
+    pytest.skip("CPU-only check (a GPU machine compiles for its own arch in the GPU suite)")
+  config = AttentionConfig(scale=0.1, is_causal=True, end_aligned=True, has_kv_lens=True,
+                           has_block_table=True)
+  for implementation, rows in (("cuda_sm90", 8), ("cuda_sm75", 8)):
+    plan = cuda.plan(implementation, config, (2, 2, 32, 128), (2, 4096, 8, 128), jnp.bfloat16)
+    assert (plan["decode_rows"], plan["paged"], cuda.reads_pages(plan)) == (rows, 1, True)
+  plan = cuda.plan("cuda_sm90", config, (2, 17, 32, 128), (2, 4096, 8, 128), jnp.bfloat16)
+  assert (plan["decode_rows"], plan["paged"], cuda.reads_pages(plan)) == (0, 0, False)
+  contiguous = dataclasses.replace(config, has_block_table=False)
+  assert cuda.plan("cuda_sm90", contiguous, (2, 2, 32, 128), (2, 4096, 8, 128),
+                   jnp.bfloat16)["paged"] == 0
+  for cc, build, rows, h in ((90, 80, 1, 128), (90, 80, 64, 256), (75, 75, 8, 128)):
+    r = cuda.compile_variant(_ffi.cuda_variant_key(build, h, DTYPE_CODES["bfloat16"],
+                                                   DTYPE_CODES["bfloat16"], False, rows, True),
+                             cc)
+    assert r["cubin_bytes"] > 0 and precompile.spills(r["log"]) == 0, r["log"]
+
+
 @pytest.mark.parametrize("implementation, decode", [
     ("cuda_sm70", False), ("cuda_sm75", False), ("cuda_sm80", True), ("cuda_sm90", True)])
 def test_forward_for_backward_takes_a_kernel_the_backward_recomputes(implementation, decode):

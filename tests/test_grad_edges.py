@@ -129,12 +129,13 @@ def test_hidden_nonfinite_key_reaches_no_gradient_of_rows_that_do_not_see_it(
 def test_large_logits_single_visible_key(setting, magnitude, rng, impl):
   """|scale q.k| ~ magnitude. window_0: every row sees only its own key;
   one_key: key length 1; causal: row 0 sees key 0 only; few_rows: window_0
-  with T = S = 4 and 2 query heads per key head (8 rows per key head: the
-  decode paths, whose logits the CPU kernel sums in another order, and whose
-  sm70/sm75 CUDA build the VJP's forward avoids); cap_bias:
+  with T = S = 3 and 2 query heads per key head (6 rows per key head: the
+  decode paths, the CPU's with the head dim in the vector lanes, whose logits
+  it sums in another order (tests/test_cpu_decode.py covers its other
+  layout), and whose sm70/sm75 CUDA build the VJP's forward avoids); cap_bias:
   window_0 with a soft cap of the magnitude and a bias. On such a row P = 1,
   so its dQ is 0, and so is dK of a key that only such rows see; dV = dO."""
-  T_ = 4 if setting == "few_rows" else 70
+  T_ = 3 if setting == "few_rows" else 70
   q, k, v = tu.qkv(rng, 2, T_, T_, 2, 1, 64)
   d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   opts = dict(scale=magnitude / 8)

@@ -37,7 +37,7 @@ std::string KernelVariant::Describe() const {
   }
   if (decode_rows) {
     return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
-           " H=" + std::to_string(head_dim) + " " + types;
+           " H=" + std::to_string(head_dim) + " " + types + (paged ? " paged" : "");
   }
   return "sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " + types +
          (extras ? " extras" : "");
@@ -53,6 +53,7 @@ std::string KernelVariant::Check() const {
   if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be f16 or bf16";
   if (out_dtype < kFaF16 || out_dtype > kFaF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
+  if (paged != 0 && (paged != 1 || !decode_rows)) return "paged: the decode kernel only, 0 or 1";
   if (backward) {
     if (backward < 1 || backward > BackwardBuilds(kernel_sm) ||
         (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
@@ -99,6 +100,7 @@ std::vector<std::string> KernelVariant::Defines() const {
                                 "-DFA_OUT_DTYPE=" + std::to_string(out_dtype)};
   d.push_back(decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(decode_rows)
                           : "-DFA_EXTRAS=" + std::to_string(extras));
+  if (decode_rows) d.push_back("-DFA_DECODE_PAGED=" + std::to_string(paged));
   if (backward) d.push_back("-DFA_ATOMIC_DQ=" + std::to_string(backward == 2));
   return d;
 }
@@ -109,14 +111,20 @@ FaTile KernelVariant::Tile(int cc) const {
                      : fa_forward_tile(kernel_sm, head_dim, extras != 0, cc);
 }
 
+// The bit of Key() above every other field's: paged decode variants.
+constexpr int kPagedBit = 40;
+
 int64_t KernelVariant::Key() const {
-  // backward above the other fields: the forward variants keep their keys.
-  return (((((int64_t{backward} * 128 + kernel_sm) * 1024 + head_dim) * 4 + dtype) * 4 +
-           out_dtype) * 2 + extras) * 128 + decode_rows;
+  // backward and paged above the other fields: the other variants keep their keys.
+  return (int64_t{paged} << kPagedBit) +
+         ((((((int64_t{backward} * 128 + kernel_sm) * 1024 + head_dim) * 4 + dtype) * 4 +
+            out_dtype) * 2 + extras) * 128 + decode_rows);
 }
 
 KernelVariant KernelVariant::FromKey(int64_t key) {
   KernelVariant v;
+  v.paged = static_cast<int>(key >> kPagedBit);
+  key &= (int64_t{1} << kPagedBit) - 1;
   v.decode_rows = static_cast<int>(key % 128);
   key /= 128;
   v.extras = static_cast<int>(key % 2);
@@ -178,6 +186,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     // The decode kernel reads bfloat16 on every GPU (its sm75 build on CUDA cores).
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;
+    v.paged = c.paged;
     v.dtype = plan->operand_dtype = c.dtype == kFaBF16 ? kFaBF16 : kFaF16;
     v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
     return "";

@@ -27,6 +27,8 @@ struct KernelVariant {
   int out_dtype = kFaF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
+  int paged = 0;        // the decode kernel: k and v are pools of pages read
+                        // through a block table (FaPages)
   int backward = 0;     // the backward kernels (kernel_sm 70, 75, 80 or 90): 1 dQ
                         // in a pass of its own (deterministic), 2 (kernel 90)
                         // dQ added into a float32 buffer by atomics
@@ -63,6 +65,10 @@ struct CallShape {
   // backward must recompute bit for bit: not the decode kernel's build 75,
   // which sums q . k on CUDA cores where the backward sums on tensor cores.
   bool for_backward = false;
+  // Forward: k and v are pools of pages with a block table, which only the
+  // decode kernel's paged build reads in place (the caller gathers the pages
+  // for any other kernel).
+  bool paged = false;
 };
 
 // How a kernel serves a call.

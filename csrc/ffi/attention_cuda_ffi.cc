@@ -125,9 +125,11 @@ ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   }
   if (!paged) paged = &none;
   const cu::KernelVariant& var = site.variant;
-  if (paged->block_table && !var.decode_rows) {
+  if ((paged->block_table != nullptr) != (var.paged != 0)) {
     return ffi::Error::InvalidArgument("CUDA attention kernel " + var.Describe() +
-                                       ": only the decode kernel reads a paged cache");
+                                       (var.paged ? ": a paged build needs a block table"
+                                                  : ": only the decode kernel's paged build "
+                                                    "reads a paged cache"));
   }
   if (DtypeCode(q.element_type()) != var.dtype || k.element_type() != q.element_type() ||
       v.element_type() != q.element_type() || DtypeCode(out_type) != var.out_dtype) {

@@ -21,6 +21,7 @@
 //                 (each still off when its field is null / 0) and any scale;
 //                 0: none of them, and scale > 0
 //   FA_DECODE_ROWS  the decode kernel's rows per block (a power of two, fa_decode_rows)
+//   FA_DECODE_PAGED the decode kernel: 1 reads k and v through a block table (FaPages)
 //
 // Each kernel source defines
 //   extern "C" __global__ void fa_forward(const FaParams p);

@@ -52,12 +52,16 @@
 // are attention_rules.h's.
 //
 // A paged cache (FaPages: pools of pages of at least kTileKeys positions and
-// a block table) is read in place: a key's row is looked up in its
-// sequence's row of the block table, so a tile's keys come from at most two
-// pages; everything else is the contiguous walk.
+// a block table) is read in place by the paged build (FA_DECODE_PAGED 1): a
+// key's row is looked up in its sequence's row of the block table, so a
+// tile's keys come from at most two pages; everything else is the
+// contiguous walk. The contiguous build has none of it: the lookups' few
+// instructions a tile cost 13-19% at B = 1 on the H200 (43.8 against 50.4
+// us at S = 32K), where a block's walk is latency-bound.
 //
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (a
 // power of two up to fa_decode_max_rows), the rows a block holds;
+// FA_DECODE_PAGED 0 or 1, a contiguous or paged cache;
 // FA_KERNEL_SM 75 or 80, the build. Any scale and the soft cap are handled
 // at run time; bias and mask are not supported (the host never sends them
 // here). H need only be a multiple of 8 up to FA_HEAD_DIM.
@@ -66,6 +70,7 @@
 namespace {
 
 constexpr int kRows = FA_DECODE_ROWS;
+constexpr bool kPaged = FA_DECODE_PAGED;
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 // Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
@@ -147,17 +152,17 @@ struct DecodeBlock {
   // log2 units, {ln 2, 1}.
   FaUnits units;
   // Head kvh of key 0 (of page 0 where paged); a page's keys key_stride
-  // apart (a contiguous cache is one page of every key).
+  // apart.
   const unsigned short* k_head;
   const unsigned short* v_head;
   long long key_stride;
-  const int* pages;  // sequence b's row of the block table, or null
+  const int* pages;  // paged: sequence b's row of the block table
   int page_shift, page_count;
   long long page_stride;
 
   // The offset (elements) of key j's row from k_head / v_head.
   __device__ __forceinline__ long long key_at(int j) const {
-    if (!pages) return j * key_stride;
+    if (!kPaged) return j * key_stride;
     const int page = min(max(__ldg(pages + (j >> page_shift)), 0), page_count - 1);
     return page * page_stride + (j & ((1 << page_shift) - 1)) * key_stride;
   }
@@ -256,18 +261,19 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     if (n < my_tiles) {
       const int key0 = tile_key(n);
       const unsigned stage = ring + (n % kStages) * 2 * kTileBytes;
-      // The tile's keys lie in at most two pages (a page holds at least
-      // kTileKeys): those before `turn` in key0's, the rest in the next.
-      const int turn = d.pages ? ((key0 >> d.page_shift) + 1) << d.page_shift : d.k1;
-      const long long first = d.key_at(key0);
-      const long long second = turn < d.k1 ? d.key_at(turn) : 0;
+      // Paged, the tile's keys lie in at most two pages (a page holds at
+      // least kTileKeys): those before `turn` in key0's, the rest in the next.
+      const int turn = kPaged ? ((key0 >> d.page_shift) + 1) << d.page_shift : d.k1;
+      const long long first = kPaged ? d.key_at(key0) : 0;
+      const long long second = kPaged && turn < d.k1 ? d.key_at(turn) : 0;
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) {
         const int at = 32 * (rg + kRowGroups * i) + lane, key = at / kChunks, c = at % kChunks;
         if (kCopies * 32 * kRowGroups > kTileKeys * kChunks && key >= kTileKeys) break;
         const bool valid = key0 + key < d.k1 && c < h_chunks;
-        const long long row = key0 + key < turn ? first + key * d.key_stride
-                                                : second + (key0 + key - turn) * d.key_stride;
+        const long long row = !kPaged         ? (key0 + key) * d.key_stride
+                              : key0 + key < turn ? first + key * d.key_stride
+                                                  : second + (key0 + key - turn) * d.key_stride;
         const long long src = valid ? row + c * 8 : 0;
         const unsigned dst = stage + ring_at(key, c);
         fa_cp_async16(dst, d.k_head + src, valid);
@@ -629,9 +635,8 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     d.kv_len = fa_kv_len(p, d.b);
     d.k0 = min(s_lean.hi, s_lean.lo + s0 * kBc);
     d.k1 = min(s_lean.hi, s_lean.lo + s1 * kBc);
-    d.pages = p.paged.block_table ? p.paged.block_table + (long long)d.b * p.paged.max_pages
-                                  : nullptr;
-    const long long kv_at = fa_at(p.kv_stride, d.pages ? 0 : d.b, 0, d.kvh);
+    d.pages = kPaged ? p.paged.block_table + (long long)d.b * p.paged.max_pages : nullptr;
+    const long long kv_at = fa_at(p.kv_stride, kPaged ? 0 : d.b, 0, d.kvh);
     d.k_head = static_cast<const unsigned short*>(p.k) + kv_at;
     d.v_head = static_cast<const unsigned short*>(p.v) + kv_at;
 
