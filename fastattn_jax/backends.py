@@ -263,22 +263,28 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
   lse): out in q's dtype, or float32 where ``config.float32_out``.
 
   With ``block_table``, k and v are pools of pages (``shapes.check_paged``):
-  the CUDA decode kernel reads them in place; other kernels get them
-  gathered into one (B, S, K, H) cache first (``reference.gather_pages``).
+  the CUDA decode kernel's paged build and the CPU kernel's decode path read
+  them in place; other kernels get them gathered into one (B, S, K, H) cache
+  first (``reference.gather_pages``).
   """
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens, block_table)
-  if block_table is not None:
+  B, T, N, H = q.shape
+  in_place = (block_table is not None and implementation == "cpu" and
+              _ffi.cpu_plan(B, T, block_table.shape[1] * k.shape[1], N, k.shape[2], H,
+                            1)["decode"])
+  if block_table is not None and not in_place:
     k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+    block_table = None
   if implementation in ascend.IMPLEMENTATIONS:
     out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
     return (out.astype(jnp.float32) if config.float32_out else out), lse
-  B, T, N, _ = q.shape
   out_dtype = jnp.float32 if config.float32_out else q.dtype
   return kernel_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
                                   jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
-                     config, q, k, v, bias, mask, q_lens, kv_lens, variant=np.int64(0),
-                     fold_heads=np.int64(0))
+                     config, q, k, v, bias, mask, q_lens, kv_lens,
+                     jnp.zeros((0,), jnp.int32) if block_table is None else block_table,
+                     variant=np.int64(0), fold_heads=np.int64(0))
 
 
 def _rounded(x, dtype):

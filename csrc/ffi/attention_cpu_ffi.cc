@@ -20,17 +20,29 @@ using fastattn::DtypeCode;
 
 namespace {
 
-// Fills the forward's operands of `p` (out and lse excepted) from the buffers and attributes.
+// Fills the forward's operands of `p` (out and lse excepted) from the buffers and attributes;
+// with a non-empty block table (the forward's), k and v are pools of pages.
 ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                       ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                      ffi::Buffer<ffi::S32> kv_lens, const CallAttrs& attrs,
-                      fastattn::AttentionParams* p) {
+                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32>* block_table,
+                      const CallAttrs& attrs, fastattn::AttentionParams* p) {
   fastattn::QkvDims d;
-  if (auto err = fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d);
+  fastattn::PagedKv paged;
+  if (auto err = block_table ? fastattn::CheckQkvPaged(q.dimensions(), k.dimensions(),
+                                                       v.dimensions(), *block_table, &d, &paged)
+                             : fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(),
+                                                  &d);
       err.failure()) {
     return err;
   }
   p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
+  p->block_table = paged.block_table;
+  p->max_pages = paged.max_pages, p->pages = paged.pages, p->page_size = paged.page_size;
+  if (p->block_table && !fastattn::cpu_reads_pages(*p)) {
+    return ffi::Error::InvalidArgument(
+        "CPU attention: only the decode path (at most 64 query rows per key/value head) reads a "
+        "paged cache");
+  }
   const int dtype = DtypeCode(q.element_type());
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() || dtype < 0) {
     return ffi::Error::InvalidArgument("query, key and value must share one of F32, F16, BF16");
@@ -88,10 +100,11 @@ void Record(const char* name, const fastattn::AttentionParams& p, int64_t pool_t
 ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
                             ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
-                            CallAttrs attrs) {
+                            ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::ResultBuffer<ffi::F32> lse, CallAttrs attrs) {
   fastattn::AttentionParams p;
-  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, attrs, &p); err.failure()) {
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, &block_table, attrs, &p);
+      err.failure()) {
     return err;
   }
   // out in the inputs' type, or float32 (the unrounded output, for 16-bit inputs).
@@ -118,7 +131,8 @@ ffi::Error AttentionCpuBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Result<ffi::AnyBuffer> dv, CallAttrs attrs) {
   fastattn::AttentionGradParams g;
   fastattn::AttentionParams& p = g.fwd;
-  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, attrs, &p); err.failure()) {
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, nullptr, attrs, &p);
+      err.failure()) {
     return err;
   }
   for (auto type : {d_out.element_type(), dq->element_type(), dk->element_type(),
@@ -163,6 +177,7 @@ auto BindOperands() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionCpuImpl,
                               BindOperands()
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // block table or empty
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
                                   .Attrs<CallAttrs>());

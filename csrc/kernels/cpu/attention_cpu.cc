@@ -125,6 +125,12 @@ DecodeLayout decode_layout(const AttentionParams& p) {
   return DecodeLayout::kNone;
 }
 
+}  // namespace
+
+bool cpu_reads_pages(const AttentionParams& p) { return decode_layout(p) != DecodeLayout::kNone; }
+
+namespace {
+
 // The backward's tiles: kBwdBr query rows by kBwdBc keys, a multiple of every vector width (the
 // keys are the lanes). 64 x 64 keeps a tile's P, dS and soft-cap factors (48 KB) and the key
 // tile's K^T, V^T, dK^T and dV^T (64 KB at H = 64) within L2.
