@@ -16,6 +16,7 @@ import pytest
 
 import fa_testutil as tu
 from fastattn_jax import cuda
+from fastattn_jax._util import host_cpu_device
 from fastattn_jax.decode import decode_attention
 from fastattn_jax.reference import gather_pages
 from test_decode import _check
@@ -150,6 +151,23 @@ def test_paged_under_vmap_and_jit():
     want = decode_attention(q[i], kp[i], vp[i], lengths, block_table=table[i],
                             implementation=tu.IMPL)
     np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.skipif(host_cpu_device() is None, reason="JAX has no CPU device (JAX_PLATFORMS)")
+@pytest.mark.parametrize("T,gathered", [(1, False), (16, False), (17, True)])
+def test_cpu_decode_path_reads_pages_in_place(T, gathered):
+  """On the CPU the decode path (up to 64 rows per key/value head) reads the
+  pools through the block table: the compiled program gathers no pages; past
+  it (68 rows) the pages are gathered for the tiled kernel."""
+  on_cpu = jax.sharding.SingleDeviceSharding(host_cpu_device())
+  q = jax.ShapeDtypeStruct((2, T, 8, 64), jnp.bfloat16, sharding=on_cpu)
+  pool = jax.ShapeDtypeStruct((10, 16, 2, 64), jnp.bfloat16, sharding=on_cpu)
+  table = jax.ShapeDtypeStruct((2, 5), jnp.int32, sharding=on_cpu)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=on_cpu)
+  hlo = jax.jit(lambda q, k, v, lengths, table: decode_attention(
+      q, k, v, lengths, block_table=table, implementation="cpu")).lower(
+          q, pool, pool, lengths, table).compile().as_text()
+  assert ("gather(" in hlo) == gathered
 
 
 @pytest.mark.parametrize("change,error,match", [
