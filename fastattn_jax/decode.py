@@ -163,10 +163,11 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scal
   A paged cache (``block_table`` given; PagedAttention, Kwon et al., 2023):
   the caches are pools of pages shared by all sequences, and position j of
   sequence b lives at row ``j % page_size`` of page ``block_table[b, j //
-  page_size]``. The CUDA decode kernel reads the pages in place; other
-  kernels (more query rows than it holds, the CPU) and the "xla" path read
-  them gathered into one (B, max_pages * page_size, K, H) cache first, with
-  the same result. Gradients flow to the pools' pages.
+  page_size]``. The CUDA decode kernel and the CPU kernel's decode path read
+  the pages in place; the other kernels (more query rows than those hold)
+  and the "xla" path read them gathered into one (B, max_pages * page_size,
+  K, H) cache first, with the same result. Gradients flow to the pools'
+  pages.
 
   Args:
     query: (B, T, N, H), float16, bfloat16, float32 (or float64, reference
@@ -178,9 +179,9 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scal
       new ones (``lengths[b] >= T`` for every sequence with queries); at most
       S_max (paged: max_pages * page_size).
     block_table: None, or (B, max_pages) integer (taken as int32), the pages
-      of each sequence in order. Entries for positions past ``lengths[b]`` are never read; the
-      others must lie in [0, pages) (out-of-range entries read the nearest
-      page).
+      of each sequence in order. Entries for positions past ``lengths[b]``
+      are never read; the others must lie in [0, pages) (out-of-range
+      entries read the nearest page).
     scale, local_window_size, logits_soft_cap, return_residual,
       implementation: as in ``fastattn_jax.fast_attention``.
 
