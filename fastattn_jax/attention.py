@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastattn_jax import backends, primitive, shapes
-from fastattn_jax.reference import attention_reference, gather_pages
+from fastattn_jax.reference import attention_reference, plain_kv
 from fastattn_jax.shapes import AttentionConfig
 
 
@@ -183,17 +183,19 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
 
 
 def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=None,
-               kv_lens=None, block_table=None):
+               kv_lens=None, block_table=None, k_scale=None, v_scale=None):
   """Attention on checked 4-D operands by ``config`` (any path but "cudnn"); (out, lse).
 
   With ``block_table`` (and ``config.has_block_table``), k and v are pools of
-  pages (``shapes.check_paged``); no bias, mask or query lengths then.
+  pages (``shapes.check_paged``); with ``k_scale`` and ``v_scale`` (and
+  ``config.has_kv_scales``) a quantized cache (``shapes.check_kv_scales``);
+  no bias, mask or query lengths then.
   """
-  if block_table is not None:
+  if block_table is not None or k_scale is not None:
     if config.implementation == "xla" or q.dtype == jnp.float64:
-      return attention_reference(config, q, gather_pages(k, block_table),
-                                 gather_pages(v, block_table), None, None, None, kv_lens)
-    return _fused_paged(config, q, k, v, kv_lens, block_table)
+      k, v = plain_kv(k, v, block_table, k_scale, v_scale, q.dtype)
+      return attention_reference(config, q, k, v, None, None, None, kv_lens)
+    return _fused_cache(config, q, k, v, kv_lens, block_table, k_scale, v_scale)
   if config.implementation == "xla":
     return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
   if bias is not None and bias.dtype == jnp.float64 and q.dtype != jnp.float64:
@@ -305,33 +307,41 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_paged(config, q, k_pages, v_pages, kv_lens, block_table):
-  """The fused path over a paged cache (the pages read in place where the
-  path's kernel can)."""
-  return primitive.bind(config, q, k_pages, v_pages, kv_lens, block_table)
+def _fused_cache(config, q, k, v, kv_lens, block_table, k_scale, v_scale):
+  """The fused path over a paged and/or quantized cache (read in place where
+  the path's kernel can)."""
+  operands = (q, k, v, kv_lens, block_table, k_scale, v_scale)
+  return primitive.bind(config, *(x for x in operands if x is not None))
 
 
-def _fused_paged_fwd(config, q, k_pages, v_pages, kv_lens, block_table):
-  return (_fused_paged(config, q, k_pages, v_pages, kv_lens, block_table),
-          (q, k_pages, v_pages, kv_lens, block_table))
+def _fused_cache_fwd(config, *operands):
+  return _fused_cache(config, *operands), operands
 
 
-def _fused_paged_bwd(config, residuals, cotangents):
-  """The gradients of the same attention over the gathered pages (the
-  contiguous path's backward); the pools' gradients are the gathered ones
-  added back into their pages."""
-  q, k_pages, v_pages, kv_lens, block_table = residuals
-  contiguous = dataclasses.replace(config, has_block_table=False)
+def _fused_cache_bwd(config, residuals, cotangents):
+  """The gradients of the same attention over the gathered and dequantized
+  cache (the contiguous path's backward): a page's are the gathered ones
+  added back into it; a quantized cache's go to its scales (its integer or
+  float8 values get none)."""
+  q, k, v, kv_lens, block_table, k_scale, v_scale = residuals
+  contiguous = dataclasses.replace(config, has_block_table=False, has_kv_scales=False)
+  quantized = k_scale is not None
 
-  def forward(q, k_pages, v_pages):
-    return _fused(contiguous, q, gather_pages(k_pages, block_table),
-                  gather_pages(v_pages, block_table), None, None, None, kv_lens)
+  def forward(q, k_or_scale, v_or_scale):
+    if quantized:
+      plain = plain_kv(k, v, block_table, k_or_scale, v_or_scale, q.dtype)
+    else:
+      plain = plain_kv(k_or_scale, v_or_scale, block_table, None, None, q.dtype)
+    return _fused(contiguous, q, *plain, None, None, None, kv_lens)
 
-  _, vjp = jax.vjp(forward, q, k_pages, v_pages)
-  return (*vjp(cotangents), None, None)
+  _, vjp = jax.vjp(forward, q, *((k_scale, v_scale) if quantized else (k, v)))
+  dq, dk, dv = vjp(cotangents)
+  if quantized:
+    return dq, None, None, None, None, dk, dv
+  return dq, dk, dv, None, None, None, None
 
 
-_fused_paged.defvjp(_fused_paged_fwd, _fused_paged_bwd)
+_fused_cache.defvjp(_fused_cache_fwd, _fused_cache_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ except ImportError as err:
       "the current directory, shadows the installed package)") from err
 from fastattn_jax import _util, ascend, cuda
 from fastattn_jax.custom_calls import kernel_call
-from fastattn_jax.reference import gather_pages
+from fastattn_jax.reference import plain_kv
 from fastattn_jax.shapes import AttentionConfig
 
 logger = logging.getLogger("fastattn_jax")
@@ -258,23 +258,27 @@ def log_path_once(direction: str, implementation: str, platform: str, reason: st
 
 
 def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-               q_lens=None, kv_lens=None, block_table=None):
+               q_lens=None, kv_lens=None, block_table=None, k_scale=None, v_scale=None):
   """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out,
   lse): out in q's dtype, or float32 where ``config.float32_out``.
 
   With ``block_table``, k and v are pools of pages (``shapes.check_paged``):
   the CUDA decode kernel's paged build and the CPU kernel's decode path read
   them in place; other kernels get them gathered into one (B, S, K, H) cache
-  first (``reference.gather_pages``).
+  first (``reference.gather_pages``). With ``k_scale`` and ``v_scale``, k and
+  v are a quantized cache (``shapes.check_kv_scales``): the CUDA decode
+  kernel's quantized builds read it in place; other kernels get it
+  dequantized to q's dtype first (``reference.dequantize``).
   """
   if implementation in cuda.IMPLEMENTATIONS:
-    return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens, block_table)
+    return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens, block_table,
+                     k_scale, v_scale)
   B, T, N, H = q.shape
   in_place = (block_table is not None and implementation == "cpu" and
               _ffi.cpu_plan(B, T, block_table.shape[1] * k.shape[1], N, k.shape[2], H,
                             1)["decode"])
-  if block_table is not None and not in_place:
-    k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+  k, v = plain_kv(k, v, None if in_place else block_table, k_scale, v_scale, q.dtype)
+  if not in_place:
     block_table = None
   if implementation in ascend.IMPLEMENTATIONS:
     out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)

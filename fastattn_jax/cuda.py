@@ -30,7 +30,7 @@ import numpy as np
 
 from fastattn_jax import _ffi
 from fastattn_jax.custom_calls import kernel_call
-from fastattn_jax.reference import gather_pages
+from fastattn_jax.reference import plain_kv
 from fastattn_jax.shapes import DTYPE_CODES, AttentionConfig
 
 #: The CUDA targets: every forward kernel, and the backward kernels; the
@@ -199,7 +199,7 @@ def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -
 
 
 def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-         q_lens=None, kv_lens=None, block_table=None):
+         q_lens=None, kv_lens=None, block_table=None, k_scale=None, v_scale=None):
   """Runs the kernel ``implementation`` plans for the call; returns (out, lse).
 
   q (B, T, N, H), k and v (B, S, K, H), converted to the plan's operand dtype
@@ -209,7 +209,9 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
   unrounded). The split-KV workspace is a third result, sized by the owner.
   With ``block_table`` (B, max_pages), k and v are pools of pages: the decode
   kernel reads them in place where the plan takes it (``reads_pages``), and
-  any other kernel gets them gathered into one (B, S, K, H) cache.
+  any other kernel gets them gathered into one (B, S, K, H) cache. With
+  ``k_scale`` and ``v_scale``, k and v are a quantized cache, dequantized to
+  q's dtype first.
   """
   _configured()
   B, T, N, H = q.shape
@@ -218,8 +220,9 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
     k_shape = (B, block_table.shape[1] * k.shape[1], *k.shape[2:])
   p = plan(implementation, config, q.shape, k_shape, q.dtype, bias is not None,
            mask is not None, q_lens is not None)
-  if block_table is not None and not reads_pages(p):
-    k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+  in_place = block_table is not None and reads_pages(p)
+  k, v = plain_kv(k, v, None if in_place else block_table, k_scale, v_scale, q.dtype)
+  if not in_place:
     block_table = None
   out_dtype = jnp.dtype(_DTYPE_NAMES[p["out_dtype"]])
   q, k, v = _kernel_rows(p, q, k, v)

@@ -11,6 +11,8 @@ its kernel).
 
 Layout: per layer, k and v of (B, S_max, K, H); one ``lengths`` (B,) int32
 for all layers, the number of positions of each sequence already written.
+A quantized cache (int8 or float8_e4m3fn, ``quantize``) keeps float32 scales
+beside each layer's k and v.
 """
 
 from __future__ import annotations
@@ -35,6 +37,90 @@ def _check_cache(name, cache_k, cache_v):
     raise ValueError(
         f"{name}: key and value caches must both be (B, S_max, K, H) of one dtype, got "
         f"{cache_k.shape} {cache_k.dtype} and {cache_v.shape} {cache_v.dtype}")
+
+
+def is_quantized(dtype) -> bool:
+  """Whether ``dtype`` is that of a quantized KV cache (int8 or float8_e4m3fn)."""
+  return np.dtype(dtype) in shapes.KV_QUANT_DTYPES
+
+
+#: The largest finite float8_e4m3fn: ``quantize`` saturates to it.
+FLOAT8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+
+
+def quantize(x, dtype, scale=None):
+  """Quantizes keys or values for a quantized KV cache.
+
+  int8: symmetric, one scale per position and head, ``max |x| / 127`` over H
+  (absmax quantization, vector-wise as in Dettmers et al., "LLM.int8()",
+  2022); values ``round(x / scale)``. float8_e4m3fn (Micikevicius et al.,
+  "FP8 Formats for Deep Learning", 2022): one scale per head, given (a
+  calibration's; vLLM's default is 1); values ``x / scale`` rounded to
+  nearest and saturated to +-448. Either way ``values * scale[..., None]``
+  restores x: to within ``scale / 2`` (int8) or 2**-4 relative plus
+  e4m3's subnormal step ``2**-10 * scale`` (float8).
+
+  Args:
+    x: (..., K, H), floating.
+    dtype: ``jnp.int8`` or ``jnp.float8_e4m3fn``.
+    scale: float8 only (required): float32 broadcastable to ``x.shape[:-1]``,
+      e.g. (1, 1, K) for (B, T, K, H) keys.
+
+  Returns:
+    ``(values, scale)``: values of x's shape in ``dtype``; scale float32, of
+    ``x.shape[:-1]`` (int8) or as given (float8).
+
+  Raises:
+    TypeError: ``dtype`` not int8 or float8_e4m3fn.
+    ValueError: a float8 scale missing, or one given for int8.
+  """
+  dtype = np.dtype(dtype)
+  if not is_quantized(dtype):
+    raise TypeError(f"quantize: dtype must be int8 or float8_e4m3fn, got {dtype}")
+  x = x.astype(jnp.float32)
+  if dtype == np.dtype(np.int8):
+    if scale is not None:
+      raise ValueError("quantize: int8 scales are computed (per position and head), not given")
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+  if scale is None:
+    raise ValueError("quantize: a float8_e4m3fn cache needs its per-head scale")
+  scale = jnp.asarray(scale, jnp.float32)
+  return jnp.clip(x / scale[..., None], -FLOAT8_MAX, FLOAT8_MAX).astype(dtype), scale
+
+
+def kv_scales(k_scale, v_scale, key):
+  """``k_scale`` and ``v_scale`` of a quantized cache ``key`` as the kernels
+  take them: float32, 3-D (leading dims of 1 added), checked against ``key``
+  (``shapes.check_kv_scales``).
+
+  Raises:
+    ValueError: one scale given without the other, scales for a cache that
+      is not quantized or none for one that is, or shapes that do not
+      broadcast to ``key.shape[:3]``.
+    TypeError: scales that are not floating point.
+  """
+  if (k_scale is None) != (v_scale is None):
+    raise ValueError("k_scale and v_scale must be given together")
+  if not is_quantized(key.dtype):
+    if k_scale is not None:
+      raise ValueError(f"k_scale and v_scale are for an int8 or float8_e4m3fn cache; this one "
+                       f"is {key.dtype}")
+    return None, None
+  if k_scale is None:
+    raise ValueError(f"a {key.dtype} cache needs k_scale and v_scale (see decode.quantize)")
+  scales = []
+  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be floating point (float32), got {x.dtype}")
+    if x.ndim > 3:
+      raise ValueError(f"{name} must broadcast to the cache's (B, S, K) = {key.shape[:3]}, got "
+                       f"shape {x.shape}")
+    scales.append(x.astype(jnp.float32).reshape((1,) * (3 - x.ndim) + x.shape))
+  shapes.check_kv_scales(key, *scales)
+  return tuple(scales)
 
 
 # Lengths arrays whose values the host knows without reading them back: a
@@ -68,7 +154,7 @@ def _raise_if_past_end(past_end, lengths, T, S_max):
         f"goes past the cache's S_max={S_max}; allocate a longer cache")
 
 
-def write(cache_k, cache_v, lengths, k_new, v_new):
+def write(cache_k, cache_v, lengths, k_new, v_new, *, k_scale=None, v_scale=None):
   """Writes the keys and values of T new positions into one layer's cache.
 
   Position ``lengths[b] + t`` of sequence b receives ``k_new[b, t]`` and
@@ -78,23 +164,33 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
   compile time does not grow with B); on the CPU one slice update per
   sequence (XLA:CPU copies a 16-bit cache around a scatter).
 
+  A quantized cache (int8 or float8_e4m3fn) comes with its scales: the new
+  positions are quantized (``quantize``); an int8 cache's per-position
+  scales are written beside them, a float8 cache's per-head scales used.
+
   Args:
-    cache_k, cache_v: (B, S_max, K, H), any floating dtype.
+    cache_k, cache_v: (B, S_max, K, H), any floating dtype, int8 or
+      float8_e4m3fn.
     lengths: (B,) integer, positions already written (before this write).
-    k_new, v_new: (B, T, K, H); cast to the cache's dtype.
+    k_new, v_new: (B, T, K, H); cast to (or quantized for) the cache's dtype.
+    k_scale, v_scale: a quantized cache's scales, float32: (B, S_max, K)
+      (int8) or (1, 1, K) (float8); None for a float cache.
 
   Returns:
-    The updated ``(cache_k, cache_v)``.
+    The updated ``(cache_k, cache_v)``; with scales, ``(cache_k, cache_v,
+    k_scale, v_scale)``.
 
   Raises:
     TypeError: ``lengths`` not of an integer dtype.
-    ValueError: at trace time on shapes that do not fit; at once when
+    ValueError: at trace time on shapes that do not fit or scales that do
+      not match the cache (``kv_scales``); at once when
       concrete ``lengths`` have ``lengths[b] + T > S_max`` for some b. With
       traced lengths (under jit) the write lands on the last T positions
       (XLA clamps the start) and ``KVCache.advance`` of the same step
       reports the overflow.
   """
   _check_cache("write", cache_k, cache_v)
+  scales = kv_scales(k_scale, v_scale, cache_k)
   B, S_max, K, H = cache_k.shape
   if k_new.ndim != 4 or k_new.shape != v_new.shape or k_new.shape[0] != B or \
       k_new.shape[2:] != (K, H):
@@ -124,20 +220,31 @@ def write(cache_k, cache_v, lengths, k_new, v_new):
     bits = jnp.dtype(f"uint{8 * cache.dtype.itemsize}")
     raw = jax.lax.bitcast_convert_type(cache, bits)
     new = jax.lax.bitcast_convert_type(new, bits)
+    zeros = (0,) * (cache.ndim - 2)
     for b in range(B):
-      raw = jax.lax.dynamic_update_slice(raw, new[b:b + 1], (b, start[b], 0, 0))
+      raw = jax.lax.dynamic_update_slice(raw, new[b:b + 1], (b, start[b], *zeros))
     return jax.lax.bitcast_convert_type(raw, cache.dtype)
 
   def put(cache, new):
     return jax.lax.platform_dependent(cache, new.astype(cache.dtype), cpu=per_sequence,
                                       default=scatter)
 
-  return put(cache_k, k_new), put(cache_v, v_new)
+  if scales[0] is None:
+    return put(cache_k, k_new), put(cache_v, v_new)
+  written = []
+  for cache, scale, new in ((cache_k, scales[0], k_new), (cache_v, scales[1], v_new)):
+    if cache.dtype == jnp.int8:
+      values, new_scale = quantize(new, cache.dtype)
+      written.append((put(cache, values), put(scale, new_scale)))
+    else:
+      written.append((put(cache, quantize(new, cache.dtype, scale)[0]), scale))
+  (cache_k, k_scale), (cache_v, v_scale) = written
+  return cache_k, cache_v, k_scale, v_scale
 
 
-def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scale=None,
-                     local_window_size=None, logits_soft_cap=None, return_residual=False,
-                     implementation=None):
+def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, k_scale=None,
+                     v_scale=None, scale=None, local_window_size=None, logits_soft_cap=None,
+                     return_residual=False, implementation=None):
   r"""Attention of T new queries over a KV cache that already holds their keys.
 
   Query t of sequence b sits at position ``lengths[b] - T + t`` and sees the
@@ -169,12 +276,21 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scal
   K, H) cache first, with the same result. Gradients flow to the pools'
   pages.
 
+  A quantized cache (int8 or float8_e4m3fn, with ``k_scale`` and
+  ``v_scale``; ``quantize`` makes them): the keys are ``cache_k *
+  k_scale[..., None]``. The CUDA decode kernel (sm_80 and newer) reads the
+  8-bit values and dequantizes them in registers, so a step reads half the
+  bytes of a 16-bit cache; the other paths dequantize the cache to query's
+  dtype first. Gradients flow to query and the scales, not to the 8-bit
+  values.
+
   Args:
     query: (B, T, N, H), float16, bfloat16, float32 (or float64, reference
       math).
-    cache_k, cache_v: (B, S_max, K, H), query's dtype; N a multiple of K. With
-      ``block_table``: pools of pages, (pages, page_size, K, H), page_size a
-      power of two >= 16 (``shapes.MIN_PAGE_SIZE``).
+    cache_k, cache_v: (B, S_max, K, H), query's dtype, or int8 or
+      float8_e4m3fn with scales; N a multiple of K. With ``block_table``:
+      pools of pages, (pages, page_size, K, H), page_size a power of two >=
+      16 (``shapes.MIN_PAGE_SIZE``).
     lengths: (B,) integer, valid positions of each sequence, including the T
       new ones (``lengths[b] >= T`` for every sequence with queries); at most
       S_max (paged: max_pages * page_size).
@@ -182,6 +298,10 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scal
       of each sequence in order. Entries for positions past ``lengths[b]``
       are never read; the others must lie in [0, pages) (out-of-range
       entries read the nearest page).
+    k_scale, v_scale: a quantized cache's scales, floating (taken as
+      float32), broadcastable to the cache's (B, S_max, K) (paged: (pages,
+      page_size, K)): per position and head for int8, per head (K,) for
+      float8 (any shape of up to 3 dims that broadcasts: ``kv_scales``).
     scale, local_window_size, logits_soft_cap, return_residual,
       implementation: as in ``fastattn_jax.fast_attention``.
 
@@ -196,19 +316,22 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scal
       outside [0, S_max] (traced ones are clamped to that range); with
       ``block_table``, ValueError for a page size that is not a power of two
       >= 16 or pools and table that do not fit, TypeError for a table that
-      is not of integers.
+      is not of integers; ValueError or TypeError for scales that do not
+      fit the cache (``kv_scales``).
   """
   query = jnp.asarray(query)
+  k_scale, v_scale = kv_scales(k_scale, v_scale, cache_k)
+  quantized = k_scale is not None
   if block_table is None:
     _check_cache("decode_attention", cache_k, cache_v)
-    dims = shapes.check_qkv(query, cache_k, cache_v)
+    dims = shapes.check_qkv(query, cache_k, cache_v, quantized=quantized)
   else:
     block_table = jnp.asarray(block_table)
     if not jnp.issubdtype(block_table.dtype, jnp.integer):
       raise TypeError(f"block_table must be an integer array of shape (B, max_pages), got "
                       f"{block_table.dtype}")
     block_table = block_table.astype(jnp.int32)
-    dims = shapes.check_paged(query, cache_k, cache_v, block_table)
+    dims = shapes.check_paged(query, cache_k, cache_v, block_table, quantized=quantized)
   lengths = seq_lengths("lengths", lengths, dims.B, dims.S)
   config = AttentionConfig(
       scale=(shapes.default_scale(dims.H) if scale is None
@@ -219,12 +342,12 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, scal
                shapes.static_float("logits_soft_cap", logits_soft_cap, positive=True,
                                      max_value=shapes.MAX_SOFTCAP)),
       end_aligned=True, has_kv_lens=True, has_block_table=block_table is not None,
-      implementation=requested_implementation(implementation, query.dtype))
+      has_kv_scales=quantized, implementation=requested_implementation(implementation, query.dtype))
   if config.implementation == "cudnn":
     raise ValueError("decode_attention: implementation='cudnn' is not supported; "
                      "use None, 'xla' or a fused path")
   out, lse = run_config(config, query, cache_k, cache_v, None, None, None, lengths,
-                        block_table)
+                        block_table, k_scale, v_scale)
   return (out, lse) if return_residual else out
 
 
@@ -272,17 +395,25 @@ class KVCache:
     k, v: tuples of per-layer (B, S_max, K, H) arrays.
     lengths: (B,) int32, positions of each sequence written so far (equal in
       every layer).
+    k_scale, v_scale: a quantized cache's per-layer scales, float32: (B,
+      S_max, K) for int8, (1, 1, K) for float8_e4m3fn (``quantize``); empty
+      tuples for a float cache.
   """
 
   k: tuple
   v: tuple
   lengths: jax.Array
+  k_scale: tuple = ()
+  v_scale: tuple = ()
 
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
              dtype=jnp.bfloat16, lengths=None, device=None) -> "KVCache":
     """A zero-filled cache; ``lengths`` (B,) defaults to zeros.
 
+    ``dtype`` int8 or float8_e4m3fn makes a quantized cache (``quantize``):
+    int8 scales start at 0, float8 scales at 1 per head (replace them with a
+    calibration's: ``dataclasses.replace(cache, k_scale=..., v_scale=...)``).
     ``device``: a ``jax.Device`` or ``jax.sharding.Sharding`` the arrays are
     created on (default: the default device).
 
@@ -299,11 +430,19 @@ class KVCache:
         lengths, jnp.int32)
     if lengths.shape != (batch,):
       raise ValueError(f"KVCache.create: lengths must have shape ({batch},), got {lengths.shape}")
+    scale = lambda: ()
+    if is_quantized(dtype):
+      int8 = np.dtype(dtype) == np.int8
+      full = jax.jit(lambda: jnp.full((batch, max_len, kv_heads) if int8 else (1, 1, kv_heads),
+                                      0.0 if int8 else 1.0, jnp.float32),
+                     out_shardings=sharding_of(device))
+      scale = lambda: tuple(full() for _ in range(num_layers))
     return cls(k=tuple(zeros() for _ in range(num_layers)),
-               v=tuple(zeros() for _ in range(num_layers)), lengths=lengths)
+               v=tuple(zeros() for _ in range(num_layers)), lengths=lengths,
+               k_scale=scale(), v_scale=scale())
 
   @classmethod
-  def from_prefill(cls, k, v, lengths, max_len: int) -> "KVCache":
+  def from_prefill(cls, k, v, lengths, max_len: int, *, dtype=None) -> "KVCache":
     """The cache of a prefill: every layer's keys and values at positions [0, P).
 
     Args:
@@ -311,6 +450,8 @@ class KVCache:
       lengths: (B,) integer, each sequence's valid positions (<= P; the rest,
         e.g. a shorter prompt's padding, is overwritten by later steps).
       max_len: S_max >= P, the positions each layer holds.
+      dtype: the cache's dtype, default k's; int8 quantizes per position and
+        head, float8_e4m3fn with scale 1 per head (``quantize``).
 
     Returns:
       A ``KVCache`` of L layers of (B, max_len, K, H), zero past P, its
@@ -331,9 +472,20 @@ class KVCache:
       where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
     # Indexed, not iterated: iterating a sharded array yields single-device rows.
     layers = range(k.shape[0])
-    return cls(k=tuple(jnp.pad(k[i], pad) for i in layers),
-               v=tuple(jnp.pad(v[i], pad) for i in layers),
-               lengths=jax.device_put(np.asarray(lengths, np.int32), where))
+    lengths = jax.device_put(np.asarray(lengths, np.int32), where)
+    if dtype is None or not is_quantized(dtype):
+      dtype = k.dtype if dtype is None else dtype
+      return cls(k=tuple(jnp.pad(k[i], pad).astype(dtype) for i in layers),
+                 v=tuple(jnp.pad(v[i], pad).astype(dtype) for i in layers), lengths=lengths)
+    unit = None if np.dtype(dtype) == np.int8 else jnp.ones((1, 1, k.shape[3]), jnp.float32)
+    parts = {name: [quantize(x[i], dtype, unit) for i in layers] for name, x in (("k", k),
+                                                                               ("v", v))}
+    scale_pad = pad[:3] if unit is None else None
+    padded = lambda scale: scale if scale_pad is None else jnp.pad(scale, scale_pad)
+    return cls(k=tuple(jnp.pad(x, pad) for x, _ in parts["k"]),
+               v=tuple(jnp.pad(x, pad) for x, _ in parts["v"]), lengths=lengths,
+               k_scale=tuple(padded(s) for _, s in parts["k"]),
+               v_scale=tuple(padded(s) for _, s in parts["v"]))
 
   @property
   def num_layers(self) -> int:
@@ -360,14 +512,26 @@ class KVCache:
     Raises:
       ValueError: as ``write`` and ``decode_attention``.
     """
-    k, v = write(self.k[layer], self.v[layer], self.lengths, k_new, v_new)
-    out = decode_attention(query, k, v, self.lengths + k_new.shape[1], **kwargs)
-    return out, self.replace_layer(layer, k, v)
+    scales = self.layer_scales(layer)
+    k, v, *scales = write(self.k[layer], self.v[layer], self.lengths, k_new, v_new, **scales)
+    out = decode_attention(query, k, v, self.lengths + k_new.shape[1],
+                           **dict(zip(("k_scale", "v_scale"), scales)), **kwargs)
+    return out, self.replace_layer(layer, k, v, *scales)
 
-  def replace_layer(self, layer: int, k, v) -> "KVCache":
-    """The cache with layer ``layer``'s arrays replaced by ``k`` and ``v``."""
-    return dataclasses.replace(self, k=self.k[:layer] + (k,) + self.k[layer + 1:],
-                               v=self.v[:layer] + (v,) + self.v[layer + 1:])
+  def layer_scales(self, layer: int) -> dict:
+    """Layer ``layer``'s ``k_scale`` and ``v_scale`` as keyword arguments
+    (of ``write`` and ``decode_attention``); empty for a float cache."""
+    if not self.k_scale:
+      return {}
+    return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
+
+  def replace_layer(self, layer: int, k, v, k_scale=None, v_scale=None) -> "KVCache":
+    """The cache with layer ``layer``'s arrays replaced by ``k`` and ``v``
+    (and a quantized cache's scales by ``k_scale`` and ``v_scale``)."""
+    put = lambda xs, x: xs if x is None else xs[:layer] + (x,) + xs[layer + 1:]
+    return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v),
+                               k_scale=put(self.k_scale, k_scale),
+                               v_scale=put(self.v_scale, v_scale))
 
   def check_room(self, T: int) -> bool:
     """Checks on the host, before a step, that T more positions fit.

@@ -122,6 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="with --model: decode over a paged KV cache (PagedKVCache) of pages "
                            "of PAGE_SIZE positions, a power of two >= 16 (default: a "
                            "contiguous KVCache)")
+  parser.add_argument("--kv-dtype", default=None, choices=("int8", "float8_e4m3fn"),
+                      help="with --model: a quantized KV cache, int8 (scales per position and "
+                           "head) or float8_e4m3fn (scale 1 per head) (default: --dtype)")
   parser.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="P",
                       help="with --model: split the heads over the first P devices (tensor "
                            "parallelism with FastAttention's tiling-AllReduce, "
@@ -159,7 +162,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   # Options of one kind of run only: given to the other, they are an error.
   preset_only = ("context", "prompt_len", "batch", "offload", "host_layers", "device_memory_gb",
                  "host_memory_gb")
-  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel", "paged")
+  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel", "paged",
+                "kv_dtype")
   wrong = [name for name in (preset_only if args.model else model_only)
            if getattr(args, name) != parser.get_default(name)]
   if wrong:
@@ -169,6 +173,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.error("--model needs at least one --prompt")
   if args.paged is not None and args.tensor_parallel > 1:
     parser.error("--paged runs on one device (no --tensor-parallel)")
+  if args.kv_dtype is not None and args.tensor_parallel > 1:
+    parser.error("--kv-dtype runs on one device (no --tensor-parallel)")
   if not (args.temperature >= 0 and 0 < args.top_p <= 1):
     parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} "
                  f"and {args.top_p}")
@@ -505,7 +511,8 @@ def _run_model(args) -> dict:
   gen = llama.generate(params, prompts, config=config, new_tokens=args.new_tokens,
                        eos_id=model.eos_id, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, implementation=args.implementation,
-                       on_tokens=_Stream(model, 0), tp=tp, page_size=args.paged)
+                       on_tokens=_Stream(model, 0), tp=tp, page_size=args.paged,
+                       kv_dtype=args.kv_dtype)
   print(flush=True)
   timings.update(prefill_compile=gen.prefill_compile_s, prefill=gen.prefill_s)
   # Decode step j produces token j + 1 of the prompts still generating; the
@@ -520,6 +527,7 @@ def _run_model(args) -> dict:
       "model": gguf.model_path(args.model), "name": config.name, "dtype": config.dtype,
       "device": str(device), "device_kind": device.device_kind, "jax_version": jax.__version__,
       "tensor_parallel": args.tensor_parallel, "page_size": args.paged,
+      "kv_dtype": args.kv_dtype,
       "implementation": path, "chat": args.chat,
       "temperature": args.temperature,
       "top_p": args.top_p, "seed": args.seed, "prompts": args.prompt,

@@ -26,7 +26,7 @@ from jax.experimental import io_callback
 from fastattn_jax import shapes
 from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import seq_lengths
-from fastattn_jax.decode import decode_attention, host_lengths
+from fastattn_jax.decode import decode_attention, host_lengths, is_quantized, quantize
 
 
 def _raise_if_short(missing, lengths, T, max_len, pages_free):
@@ -59,6 +59,9 @@ class PagedKVCache:
     lengths: (B,) int32, positions of each sequence written so far.
     refs: (pages,) int32, how many block-table entries hold each page (0:
       free). A page is shared where a prefix is (``share_prefix``).
+    k_scale, v_scale: a quantized cache's per-layer scales, float32:
+      (pages, page_size, K) for int8, (1, 1, K) for float8_e4m3fn
+      (``decode.quantize``); empty tuples for a float cache.
   """
 
   k: tuple
@@ -66,6 +69,8 @@ class PagedKVCache:
   block_table: jax.Array
   lengths: jax.Array
   refs: jax.Array
+  k_scale: tuple = ()
+  v_scale: tuple = ()
 
   @classmethod
   def create(cls, num_layers: int, batch: int, num_pages: int, page_size: int, kv_heads: int,
@@ -80,7 +85,9 @@ class PagedKVCache:
         (``shapes.MIN_PAGE_SIZE``).
       max_len: the most positions one sequence may hold (the block table's
         width times page_size, rounded up); default: the whole pool.
-      dtype: the pools' dtype.
+      dtype: the pools' dtype; int8 or float8_e4m3fn makes a quantized
+        cache (``decode.quantize``), whose int8 scales start at 0 and float8
+        scales at 1 per head.
       device: a ``jax.Device`` or ``jax.sharding.Sharding`` for the arrays.
 
     Raises:
@@ -104,13 +111,20 @@ class PagedKVCache:
                              jnp.zeros((batch,), jnp.int32), jnp.zeros((num_pages,), jnp.int32)),
                     out_shardings=where)
     table, lengths, refs = small()
+    scale = lambda: ()
+    if is_quantized(dtype):
+      int8 = np.dtype(dtype) == np.int8
+      full = jax.jit(lambda: jnp.full((num_pages, page_size, kv_heads) if int8 else
+                                      (1, 1, kv_heads), 0.0 if int8 else 1.0, jnp.float32),
+                     out_shardings=where)
+      scale = lambda: tuple(full() for _ in range(num_layers))
     return cls(k=tuple(pool() for _ in range(num_layers)),
                v=tuple(pool() for _ in range(num_layers)),
-               block_table=table, lengths=lengths, refs=refs)
+               block_table=table, lengths=lengths, refs=refs, k_scale=scale(), v_scale=scale())
 
   @classmethod
   def from_prefill(cls, k, v, lengths, *, num_pages: int, page_size: int,
-                   max_len: int | None = None) -> "PagedKVCache":
+                   max_len: int | None = None, dtype=None) -> "PagedKVCache":
     """The cache of a prefill: each sequence's first ``lengths[b]``
     positions of every layer, in pages allocated for them.
 
@@ -118,6 +132,8 @@ class PagedKVCache:
       k, v: (L, B, P, K, H), a prefill's keys (RoPE applied) and values.
       lengths: (B,) integer, each sequence's valid positions (<= P).
       num_pages, page_size, max_len: as in ``create``.
+      dtype: the pools' dtype, default k's (int8 or float8_e4m3fn: quantized,
+        as ``create`` and ``write_layer`` do it).
 
     Raises:
       ValueError: k and v of other shapes or ranks, lengths outside [0, P],
@@ -128,7 +144,7 @@ class PagedKVCache:
                        f"got {k.shape} and {v.shape}")
     L, B, P, K, H = k.shape
     lengths = seq_lengths("lengths", lengths, B, P)
-    cache = cls.create(L, B, num_pages, page_size, K, H, dtype=k.dtype,
+    cache = cls.create(L, B, num_pages, page_size, K, H, dtype=k.dtype if dtype is None else dtype,
                        max_len=max(P, 1) if max_len is None else max_len, device=k.sharding)
     if not isinstance(lengths, jax.core.Tracer):
       missing, free = cache._missing_pages(lengths)
@@ -136,9 +152,9 @@ class PagedKVCache:
     cache = cache._allocate(lengths)
     starts = jnp.zeros_like(cache.lengths)
     # Positions past a sequence's length have no page and are not written.
-    layers = [cache.write_layer(i, k[i], v[i], starts) for i in range(L)]
-    return dataclasses.replace(cache, k=tuple(x for x, _ in layers),
-                               v=tuple(y for _, y in layers), lengths=lengths)
+    for i in range(L):
+      cache = cache.replace_layer(i, *cache.write_layer(i, k[i], v[i], starts))
+    return dataclasses.replace(cache, lengths=lengths)
 
   @property
   def num_layers(self) -> int:
@@ -241,15 +257,17 @@ class PagedKVCache:
     """Layer ``layer``'s pools with T new positions written: position
     ``starts[b] + t`` (default: ``lengths[b] + t``) of sequence b gets
     ``k_new[b, t]`` and ``v_new[b, t]``, in the page the block table names
-    (``reserve`` first). One scatter per pool.
+    (``reserve`` first). One scatter per pool (and per int8 scale pool).
 
     Args:
       layer: the layer index (static).
-      k_new, v_new: (B, T, K, H); cast to the pools' dtype.
+      k_new, v_new: (B, T, K, H); cast to the pools' dtype, or quantized
+        (``decode.quantize``) for a quantized cache.
       starts: (B,) int32, or None for ``lengths``.
 
     Returns:
-      ``(k_pool, v_pool)``.
+      ``(k_pool, v_pool)``; for a quantized cache ``(k_pool, v_pool,
+      k_scale, v_scale)``.
     """
     B = self.lengths.shape[0]
     K, H = self.k[layer].shape[2:]
@@ -270,7 +288,26 @@ class PagedKVCache:
     def put(pool, new):
       return pool.at[page, row].set(new.astype(pool.dtype), mode="drop")
 
-    return put(self.k[layer], k_new), put(self.v[layer], v_new)
+    if not self.k_scale:
+      return put(self.k[layer], k_new), put(self.v[layer], v_new)
+    written = []
+    for pool, scale, new in ((self.k[layer], self.k_scale[layer], k_new),
+                             (self.v[layer], self.v_scale[layer], v_new)):
+      if pool.dtype == jnp.int8:
+        values, new_scale = quantize(new, pool.dtype)
+        written.append((put(pool, values), put(scale, new_scale)))
+      else:
+        written.append((put(pool, quantize(new, pool.dtype, scale)[0]), scale))
+    (k, k_scale), (v, v_scale) = written
+    return k, v, k_scale, v_scale
+
+  def replace_layer(self, layer: int, k, v, k_scale=None, v_scale=None) -> "PagedKVCache":
+    """The cache with layer ``layer``'s pools replaced by ``k`` and ``v``
+    (and a quantized cache's scales by ``k_scale`` and ``v_scale``)."""
+    put = lambda xs, x: xs if x is None else xs[:layer] + (x,) + xs[layer + 1:]
+    return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v),
+                               k_scale=put(self.k_scale, k_scale),
+                               v_scale=put(self.v_scale, v_scale))
 
   def attend(self, layer: int, query, k_new, v_new, **kwargs):
     """Writes T new positions into ``layer`` and attends the T queries over
@@ -288,11 +325,11 @@ class PagedKVCache:
       and ``lengths`` unchanged (call ``advance(T)`` once every layer is
       done).
     """
-    k, v = self.write_layer(layer, k_new, v_new)
+    k, v, *scales = self.write_layer(layer, k_new, v_new)
     out = decode_attention(query, k, v, self.lengths + k_new.shape[1],
-                           block_table=self.block_table, **kwargs)
-    return out, dataclasses.replace(self, k=self.k[:layer] + (k,) + self.k[layer + 1:],
-                                    v=self.v[:layer] + (v,) + self.v[layer + 1:])
+                           block_table=self.block_table,
+                           **dict(zip(("k_scale", "v_scale"), scales)), **kwargs)
+    return out, self.replace_layer(layer, k, v, *scales)
 
   def _missing_pages(self, lengths):
     """Entries sequences of ``lengths`` need that have no page yet, and the

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fastattn_jax import backends
 from fastattn_jax._jax_internal import require_devices_during_lowering
-from fastattn_jax.reference import attention_grads, attention_reference, gather_pages
+from fastattn_jax.reference import attention_grads, attention_reference, plain_kv
 from fastattn_jax.shapes import KERNEL_DTYPES, AttentionConfig, check_operands
 
 fast_attention_p = Primitive("fast_attention")
@@ -110,7 +110,8 @@ def _batch_rule(operands, batch_dims, *, config, prim):
   B = operands[0].shape[0 if q_dim is None or q_dim > 0 else 1]
   pairs = tuple(zip(operands, batch_dims))
   n_forward = len(pairs) - (_RESIDUALS if prim is fast_attention_bwd_p else 0)
-  q, k, v, bias, mask, q_lens, kv_lens, table = config.split_operands(pairs[:n_forward])
+  q, k, v, bias, mask, q_lens, kv_lens, table, k_scale, v_scale = \
+      config.split_operands(pairs[:n_forward])
 
   def fold(x_d, full_b=True):
     """(B, ...) or vmapped (V, B, ...) -> (V * B, ...).
@@ -132,22 +133,31 @@ def _batch_rule(operands, batch_dims, *, config, prim):
     return x.reshape(size * B, *x.shape[2:])
 
   def fold_pages():
-    """Paged k, v and the block table: vmapped pools (V, P, ...) become one
-    pool (V * P, ...), and map v's table entries move up by v * P."""
-    if k[1] is None and v[1] is None:
-      return k[0], v[0], fold(table)
-    pools = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in (k, v)]
-    pools = [x if x.ndim == 5 else jnp.broadcast_to(x[None], (size, *x.shape)) for x in pools]
+    """Paged k, v (and their scales) and the block table: vmapped pools (V,
+    P, ...) become one pool (V * P, ...), and map v's table entries move up
+    by v * P."""
+    pools_d = [k, v] + [x for x in (k_scale, v_scale) if x is not None]
+    if all(d is None for _, d in pools_d):
+      return (k[0], v[0], fold(table), *(x for x, _ in pools_d[2:]))
+    pools = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in pools_d]
+    pools = [x if d is not None else jnp.broadcast_to(x[None], (size, *x.shape))
+             for x, (_, d) in zip(pools, pools_d)]
     P = pools[0].shape[1]
+    # A scale's dim of 1 broadcasts over the pages of every map index.
+    pools = [x if x.shape[1] == P else jnp.broadcast_to(x, (size, P, *x.shape[2:]))
+             for x in pools]
     entries = table[0] if table[1] is None else jnp.moveaxis(table[0], table[1], 0)
     entries = jnp.broadcast_to(entries, (size, B, entries.shape[-1]))
     entries = entries + (jnp.arange(size, dtype=entries.dtype) * P)[:, None, None]
-    return (*(x.reshape(size * P, *x.shape[2:]) for x in pools),
-            entries.reshape(size * B, entries.shape[-1]))
+    folded = [x.reshape(size * P, *x.shape[2:]) for x in pools]
+    return (*folded[:2], entries.reshape(size * B, entries.shape[-1]), *folded[2:])
 
-  k_v = (fold(k), fold(v), None) if table is None else fold_pages()
+  if table is None:
+    k_v = (fold(k), fold(v), None, fold(k_scale, False), fold(v_scale, False))
+  else:
+    k_v = fold_pages()
   folded = [fold(q), *k_v[:2], fold(bias, False), fold(mask, False),
-            fold(q_lens), fold(kv_lens), k_v[2], *(fold(r) for r in pairs[n_forward:])]
+            fold(q_lens), fold(kv_lens), *k_v[2:], *(fold(r) for r in pairs[n_forward:])]
   results = prim.bind(*(x for x in folded if x is not None), config=config)
   return tuple(r.reshape(size, B, *r.shape[1:]) for r in results), (0,) * len(results)
 
@@ -185,7 +195,7 @@ def _shardings(config, mesh, arg_shapes, backward):
   args = jax.tree.leaves(arg_shapes)
   if backward:
     args = args[:-_RESIDUALS]
-  q, k, v, bias, mask, q_lens, kv_lens, table = config.split_operands(args)
+  q, k, v, bias, mask, q_lens, kv_lens, table, k_scale, v_scale = config.split_operands(args)
   B, T, N, H = q.shape
   K = k.shape[2]
   b_axes, _, n_axes, _ = _spec_of(q.sharding, 4)
@@ -208,6 +218,11 @@ def _shardings(config, mesh, arg_shapes, backward):
   arg_shardings += [named(b_axes) for x in (q_lens, kv_lens) if x is not None]
   if table is not None:
     arg_shardings.append(named(b_axes, None))
+  for x in (k_scale, v_scale):
+    if x is not None:  # (B|pages|1, S|page_size|1, K|1): as the keys, less H
+      spec = keys.spec
+      arg_shardings.append(named(*(a if d == f else None
+                                   for a, d, f in zip(spec, x.shape, k.shape))))
   if backward:
     arg_shardings += [rows, lse, rows, lse]
     return arg_shardings, (rows, rows, rows)
@@ -217,7 +232,8 @@ def _shardings(config, mesh, arg_shapes, backward):
 def _unpaged(config, operands):
   """The backward's forward operands, the 7 of a contiguous cache: under
   differentiation ``fastattn_jax.attention`` gathers a paged cache's pages
-  first, so no backward has a block table."""
+  and dequantizes a quantized one first, so no backward has a block table
+  or scales."""
   return config.split_operands(operands)[:7]
 
 
@@ -247,7 +263,8 @@ def _sharding_rule(implementation, backward, config, mesh, operand_types, result
   """Shardy rule: batch and heads pass through; T, S, H are not split."""
   if backward:
     operand_types = operand_types[:-_RESIDUALS]
-  q, k, v, bias, mask, q_lens, kv_lens, table = config.split_operands(operand_types)
+  q, k, v, bias, mask, q_lens, kv_lens, table, k_scale, v_scale = \
+      config.split_operands(operand_types)
   full = ("b", "n", "t", "s")
   dims = lambda t: list(mlir.ir.RankedTensorType(t).shape)
   B, T, N, _ = dims(q)
@@ -261,6 +278,12 @@ def _sharding_rule(implementation, backward, config, mesh, operand_types, result
   operands += ["b" for x in (q_lens, kv_lens) if x is not None]
   if table is not None:
     operands.append("b table")
+  key_factors = keys.split()[:3]
+  for idx, x in enumerate((k_scale, v_scale)):
+    if x is not None:  # the keys' factors, a broadcast dim of 1 its own
+      operands.append(" ".join(
+          f if d == size else f"{f}_scale{idx}"
+          for f, d, size in zip(key_factors, dims(x), dims(k)[:3])))
   if backward:
     operands += ["b t n h", "b t n", "b t n h", "b t n"]
     results = "b t n h, b s k h, b s k h"
@@ -313,9 +336,8 @@ def _lowering(ctx, *operands, config, platform, backward):
                                       *ops[-2:])  # d_out, d_lse
   else:
     def fn(*ops):
-      q, k, v, *optional, table = config.split_operands(ops)
-      if table is not None:
-        k, v = gather_pages(k, table), gather_pages(v, table)
+      q, k, v, *optional, table, k_scale, v_scale = config.split_operands(ops)
+      k, v = plain_kv(k, v, table, k_scale, v_scale, q.dtype)
       out, lse = attention_reference(config, q, k, v, *optional)
       return (out.astype(jnp.float32) if config.float32_out else out), lse
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)

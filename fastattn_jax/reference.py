@@ -29,6 +29,24 @@ def gather_pages(pages, block_table):
   return rows.reshape(B, max_pages * pages.shape[1], *pages.shape[2:])
 
 
+def dequantize(x, scale, dtype):
+  """A quantized cache's values: ``x.astype(float32) * scale[..., None]``
+  (``shapes.check_kv_scales``), rounded once to ``dtype``."""
+  return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def plain_kv(k, v, block_table, k_scale, v_scale, dtype):
+  """The (B, S, K, H) key and value a call reads, in ``dtype``, from a cache
+  that may be paged (``block_table``) and quantized (``k_scale`` and
+  ``v_scale``): the form of the cache every path but the in-place readers
+  takes."""
+  if k_scale is not None:
+    k, v = dequantize(k, k_scale, dtype), dequantize(v, v_scale, dtype)
+  if block_table is not None:
+    k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+  return k, v
+
+
 def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=None):
   """Boolean (B|1, 1, T, S) mask of the index-defined visibility, or None;
   with ``rows`` (R,) query row indices, that of those rows only: (B|1, 1, R, S)."""

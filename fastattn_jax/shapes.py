@@ -29,6 +29,9 @@ SUPPORTED_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
 #: The smallest page of a paged KV cache (page sizes are powers of two from
 #: it): the CUDA decode kernel reads tiles of 16 keys from at most two pages.
 MIN_PAGE_SIZE = _ffi.min_page_size
+#: Element types of a quantized KV cache, read with float32 scales beside it
+#: (``check_kv_scales``).
+KV_QUANT_DTYPES = (np.dtype(np.int8), np.dtype(jnp.float8_e4m3fn))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +49,13 @@ class AttentionConfig:
       ``i + kv_len - q_len`` (bottom-right alignment: the last valid query
       sits at the last valid key, as when T new tokens attend over a cache
       that already holds them) instead of at position i.
-    has_bias, has_mask, has_q_lens, has_kv_lens, has_block_table: which
-      optional operands follow query, key and value, in that order. With a
-      block table (B, max_pages) int32, key and value are pools of pages
-      (pages, page_size, K, H) and S = max_pages * page_size
-      (``check_paged``).
+    has_bias, has_mask, has_q_lens, has_kv_lens, has_block_table,
+      has_kv_scales: which optional operands follow query, key and value, in
+      that order. With a block table (B, max_pages) int32, key and value are
+      pools of pages (pages, page_size, K, H) and S = max_pages * page_size
+      (``check_paged``). With KV scales (two operands, k_scale and v_scale),
+      key and value are a quantized cache (``KV_QUANT_DTYPES``) and key =
+      key * k_scale[..., None] (``check_kv_scales``).
     implementation: the path to run, e.g. "cpu"; "auto" picks per platform.
     deterministic: the backward sums in a fixed order (on kernel 90's CUDA
       path, "cuda_sm90": dQ in a pass of its own rather than by atomics).
@@ -76,6 +81,7 @@ class AttentionConfig:
   has_q_lens: bool = False
   has_kv_lens: bool = False
   has_block_table: bool = False
+  has_kv_scales: bool = False
   implementation: str = "auto"
   deterministic: bool = False
   float32_out: bool = False
@@ -87,13 +93,14 @@ class AttentionConfig:
     return self.window if self.window is not None else (-1, -1)
 
   def split_operands(self, operands):
-    """Splits ``(q, k, v, *present optionals)`` into an 8-tuple with Nones:
-    q, k, v, bias, mask, q_lens, kv_lens, block_table."""
+    """Splits ``(q, k, v, *present optionals)`` into a 10-tuple with Nones:
+    q, k, v, bias, mask, q_lens, kv_lens, block_table, k_scale, v_scale."""
     q, k, v, *rest = operands
     rest = iter(rest)
     take = lambda present: next(rest) if present else None
     return (q, k, v, take(self.has_bias), take(self.has_mask),
-            take(self.has_q_lens), take(self.has_kv_lens), take(self.has_block_table))
+            take(self.has_q_lens), take(self.has_kv_lens), take(self.has_block_table),
+            take(self.has_kv_scales), take(self.has_kv_scales))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +119,11 @@ def _shape(x) -> tuple:
   return tuple(x.shape)
 
 
-def check_qkv(query, key, value) -> Dims:
+def check_qkv(query, key, value, *, quantized: bool = False) -> Dims:
   """Checks 4-D query (B,T,N,H), key and value (B,S,K,H); returns the dims.
+
+  With ``quantized``, key and value are a quantized cache: both of one of
+  ``KV_QUANT_DTYPES``, query of a floating dtype.
 
   Raises:
     ValueError: on wrong ranks, mismatched shapes, N not a multiple of K.
@@ -139,6 +149,16 @@ def check_qkv(query, key, value) -> Dims:
         f"the number of query heads N must be a multiple of the key/value "
         f"heads K, got N={N} (query {_shape(query)}) and K={K} (key "
         f"{_shape(key)})")
+  if quantized:
+    if np.dtype(key.dtype) != np.dtype(value.dtype) or np.dtype(key.dtype) not in \
+        KV_QUANT_DTYPES:
+      raise TypeError(
+          f"a quantized cache's keys and values must both be int8 or float8_e4m3fn, got "
+          f"{key.dtype} and {value.dtype}")
+    if np.dtype(query.dtype) not in SUPPORTED_DTYPES:
+      raise TypeError(
+          f"query must be float32, float16, bfloat16 or float64, got {query.dtype}")
+    return Dims(B, T, S, N, K, H)
   dtypes = {np.dtype(x.dtype) for x in (query, key, value)}
   if len(dtypes) != 1:
     raise TypeError(
@@ -151,7 +171,7 @@ def check_qkv(query, key, value) -> Dims:
   return Dims(B, T, S, N, K, H)
 
 
-def check_paged(query, k_pages, v_pages, block_table) -> Dims:
+def check_paged(query, k_pages, v_pages, block_table, *, quantized: bool = False) -> Dims:
   """Checks a query (B,T,N,H) over a paged KV cache; returns the dims, S =
   max_pages * page_size.
 
@@ -184,12 +204,34 @@ def check_paged(query, k_pages, v_pages, block_table) -> Dims:
   # The pages seen as one (B, S, K, H) cache, for the checks shared with it.
   view = lambda x: jax.ShapeDtypeStruct((B, max_pages * page_size, *_shape(x)[2:]), x.dtype)
   try:
-    return check_qkv(query, view(k_pages), view(v_pages))
+    return check_qkv(query, view(k_pages), view(v_pages), quantized=quantized)
   except ValueError as err:
     raise ValueError(
         f"query {_shape(query)}, k_pages {_shape(k_pages)} and v_pages {_shape(v_pages)} do "
         f"not fit (B, T, N, H) x (pages, page_size, K, H) (both pools one shape, N a multiple "
         f"of K): {err}") from None
+
+
+def check_kv_scales(key, k_scale, v_scale) -> None:
+  """Checks the scales of a quantized KV cache (or pool of pages) ``key``.
+
+  The dequantized key is ``key.astype(float32) * k_scale[..., None]`` (value
+  likewise): ``k_scale`` and ``v_scale`` are float32 and broadcast to
+  ``key.shape[:3]``, (B, S, K) or (pages, page_size, K): per position and
+  head (int8), per head (1, 1, K) (float8), or any dims of 1 between.
+
+  Raises:
+    ValueError: a scale of another rank or a dim neither 1 nor the cache's.
+    TypeError: a scale that is not float32.
+  """
+  full = _shape(key)[:3]
+  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if x.ndim != 3 or any(d != 1 and d != f for d, f in zip(_shape(x), full)):
+      raise ValueError(
+          f"{name} of shape {_shape(x)} does not broadcast to the cache's (B, S, K) (pages: "
+          f"(pages, page_size, K)) = {full}: 3-D, each dim 1 or the cache's")
+    if np.dtype(x.dtype) != np.dtype(np.float32):
+      raise TypeError(f"{name} must be float32, got {x.dtype}")
 
 
 def check_broadcast_operand(name: str, x, dims: Dims) -> None:
@@ -226,11 +268,16 @@ def check_seq_lengths(name: str, x, B: int) -> None:
 def check_operands(config: AttentionConfig, operands) -> Dims:
   """Checks all operands of the primitive against ``config``; returns dims."""
   n_expected = 3 + sum((config.has_bias, config.has_mask, config.has_q_lens,
-                        config.has_kv_lens, config.has_block_table))
+                        config.has_kv_lens, config.has_block_table)) + 2 * config.has_kv_scales
   if len(operands) != n_expected:
     raise ValueError(f"expected {n_expected} operands, got {len(operands)}")
-  q, k, v, bias, mask, q_lens, kv_lens, block_table = config.split_operands(operands)
-  dims = check_qkv(q, k, v) if block_table is None else check_paged(q, k, v, block_table)
+  q, k, v, bias, mask, q_lens, kv_lens, block_table, k_scale, v_scale = \
+      config.split_operands(operands)
+  quantized = k_scale is not None
+  dims = (check_qkv(q, k, v, quantized=quantized) if block_table is None else
+          check_paged(q, k, v, block_table, quantized=quantized))
+  if quantized:
+    check_kv_scales(k, k_scale, v_scale)
   if bias is not None:
     check_broadcast_operand("bias", bias, dims)
   if mask is not None:

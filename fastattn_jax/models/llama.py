@@ -544,10 +544,11 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
              eos_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, implementation=None, on_tokens=None,
              tp: parallel.TensorParallel | None = None,
-             page_size: int | None = None) -> Generation:
+             page_size: int | None = None, kv_dtype=None) -> Generation:
   """Continues prompts of different lengths: one prefill with
   ``fast_attention``, then decode steps over a ``KVCache`` (or, with
-  ``page_size``, a ``PagedKVCache``).
+  ``page_size``, a ``PagedKVCache``; with ``kv_dtype`` int8 or
+  float8_e4m3fn, a quantized one).
 
   The prompts are right-padded to the longest, P; causal attention keeps a
   prompt's positions blind to its padding, the cache's ``lengths`` start at
@@ -574,6 +575,9 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
     page_size: None for a contiguous cache; else the page size of a
       ``PagedKVCache`` whose pool holds every prompt's pages and its new
       tokens' (not with ``tp``).
+    kv_dtype: the cache's dtype, default the model's; int8 (scales per
+      position and head) or float8_e4m3fn (scale 1 per head) quantize it
+      (``decode.quantize``; not with ``tp``).
 
   Returns:
     A ``Generation``.
@@ -609,11 +613,11 @@ def generate(params: Params, prompts, *, config: LlamaConfig, new_tokens: int,
   prefill_s = time.perf_counter() - start
 
   if page_size is None:
-    cache = KVCache.from_prefill(k, v, lengths, P + new_tokens)
+    cache = KVCache.from_prefill(k, v, lengths, P + new_tokens, dtype=kv_dtype)
   else:
     pages = int(sum(-(-(n + new_tokens) // page_size) for n in lengths))
     cache = PagedKVCache.from_prefill(k, v, lengths, num_pages=pages, page_size=page_size,
-                                      max_len=P + new_tokens)
+                                      max_len=P + new_tokens, dtype=kv_dtype)
   del k, v
   key = jax.random.key(seed)
   last = logits[jnp.arange(B), jnp.asarray(lengths) - 1]

@@ -156,9 +156,10 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
     raise ValueError(f"decode_step: a KV cache of {cache.num_layers} layers for {L} layers of "
                      f"parameters")
   T = tokens.shape[1]
-  if isinstance(cache, PagedKVCache) and decoder.layer is not None:
+  if decoder.layer is not None and (isinstance(cache, PagedKVCache) or
+                                    getattr(cache, "k_scale", ())):
     raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
-                     "KVCache, not a PagedKVCache")
+                     "KVCache of floats, not a PagedKVCache or a quantized cache")
   if isinstance(cache, (KVCache, PagedKVCache)):
     checked = cache.check_room(T)
     known = decode.host_lengths(cache.lengths) if checked else None

@@ -1,0 +1,271 @@
+"""Decode attention over quantized KV caches: int8 (a scale per position and
+key/value head) and float8_e4m3fn (a scale per head), contiguous and paged
+(``decode_attention(..., k_scale=..., v_scale=...)``, ``decode.quantize``,
+``KVCache`` / ``PagedKVCache`` of those dtypes).
+
+References: the float64 definition over the dequantized cache (the cache's
+exact values, ``values * scale`` in float64), by the suite's acceptance rule
+against the xla path; paged against the same cache gathered (bit for bit);
+the quantization error itself against its documented bound; and the
+quantized cache against the unquantized one within the error bounds the
+docs give (docs/decode.md).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_testutil as tu
+from fastattn_jax import KVCache, PagedKVCache
+from fastattn_jax.decode import decode_attention, quantize
+from fastattn_jax.reference import gather_pages
+from test_decode import _end_aligned_reference
+from test_paged import _paged
+
+QUANT = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
+
+
+def _quantized(x, kind, rng):
+  """(values, scale): int8 per position and head; float8 with random per-head
+  scales around max|x| / 448 (a calibration's), so values use the range."""
+  if kind == "int8":
+    return quantize(x, jnp.int8)
+  K = x.shape[2]
+  scale = jnp.asarray(rng.uniform(0.5, 2.0, (1, 1, K)) * np.abs(np.asarray(x)).max() / 448,
+                      jnp.float32)
+  return quantize(x, jnp.float8_e4m3fn, scale)
+
+
+def _dequantized64(values, scale):
+  return np.asarray(values, np.float64) * np.asarray(scale, np.float64)[..., None]
+
+
+def _check(q, kq, vq, ks, vs, lengths, dtype, got=None, **opts):
+  """The path under test (or its result `got`) against the float64 definition
+  over the dequantized cache, by the suite's acceptance rule (the xla path
+  over the cache dequantized to the computed dtype)."""
+  fast, fast_lse = got or decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs,
+                                           implementation=tu.IMPL, return_residual=True, **opts)
+  computed = tu.computed_dtype(tu.IMPL, dtype)
+  xla, xla_lse = decode_attention(q.astype(tu.DTYPES[computed]), kq, vq, lengths, k_scale=ks,
+                                  v_scale=vs, implementation="xla", return_residual=True,
+                                  **opts)
+  k64, v64 = _dequantized64(kq, ks), _dequantized64(vq, vs)
+  ref, ref_lse = _end_aligned_reference(q, k64, v64, lengths, opts.get("local_window_size"))
+  atol = max(tu.OUT_ATOL[dtype], tu.OUT_ATOL[computed])
+  xla_max = max(tu.XLA_MAX_ERR[dtype], 2 * tu.XLA_MAX_ERR[computed])
+  tu.assert_accepted(fast, xla.astype(q.dtype), ref, atol, xla_max, "out")
+  tu.assert_accepted(fast_lse, xla_lse, ref_lse, tu.LSE_ATOL[computed],
+                     2 * tu.XLA_MAX_ERR[computed], "lse")
+  assert not np.asarray(fast)[~np.isfinite(ref_lse)].any(), "rows that see nothing must be 0"
+
+
+def test_quantize_error_bounds():
+  """int8: |x - values * scale| <= scale / 2 per element; float8: the
+  relative rounding of e4m3 (2**-4) above its normal range, its subnormal
+  step below, saturation to 448 * scale."""
+  rng = np.random.default_rng(tu.seed_of("quantize"))
+  x = jnp.asarray(rng.standard_normal((3, 17, 4, 40)) * rng.uniform(0.01, 50, (3, 17, 4, 1)),
+                  jnp.float32)
+  x = x.at[0, 0, 0].set(0.0)  # an all-zero row: scale 0, values 0
+  values, scale = quantize(x, jnp.int8)
+  assert values.dtype == jnp.int8 and scale.shape == (3, 17, 4)
+  err = np.abs(np.asarray(x, np.float64) - _dequantized64(values, scale))
+  assert np.all(err <= np.asarray(scale, np.float64)[..., None] / 2 * (1 + 1e-6) + 1e-30)
+  assert float(scale[0, 0, 0]) == 0.0 and not np.asarray(values[0, 0, 0]).any()
+
+  scale8 = jnp.asarray([[[0.01, 0.1, 1.0, 0.05]]], jnp.float32)
+  values, same = quantize(x, jnp.float8_e4m3fn, scale8)
+  assert values.dtype == jnp.float8_e4m3fn and same is not None
+  x64, s64 = np.asarray(x, np.float64), np.asarray(scale8, np.float64)[..., None]
+  deq = _dequantized64(values, scale8)
+  inside = np.abs(x64) <= 448 * s64
+  bound = np.maximum(np.abs(x64) * 2.0**-4, 2.0**-10 * s64)
+  assert np.all(np.abs(x64 - deq)[inside] <= np.broadcast_to(bound, x64.shape)[inside])
+  assert np.all(np.abs(deq[~inside]) == np.broadcast_to(448 * s64, x64.shape)[~inside])
+
+
+@pytest.mark.parametrize("kind", list(QUANT))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("T,N,K,opts", [
+    (1, 8, 2, {}),
+    (1, 6, 1, {"local_window_size": (50, 0)}),
+    (4, 4, 4, {}),
+    (3, 16, 2, {}),                                   # 24 rows
+])
+def test_quantized_decode_matches_reference(kind, dtype, T, N, K, opts):
+  rng = np.random.default_rng(tu.seed_of(f"quant{kind}{dtype}{T}{N}{K}{opts}"))
+  B, S_max, H = 4, 301, 64
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), tu.DTYPES[dtype])
+  k = jnp.asarray(rng.standard_normal((B, S_max, K, H)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, S_max, K, H)), jnp.float32)
+  (kq, ks), (vq, vs) = _quantized(k, kind, rng), _quantized(v, kind, rng)
+  lengths = jnp.array([max(T - 1, 0), T, 177, S_max], jnp.int32)
+  _check(q, kq, vq, ks, vs, lengths, dtype, **opts)
+
+
+@pytest.mark.parametrize("kind", list(QUANT))
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_quantized_is_contiguous_quantized(kind, page_size):
+  """A quantized pool read through a shuffled block table (shared prefix
+  pages) equals the same cache gathered, bit for bit."""
+  rng = np.random.default_rng(tu.seed_of(f"pagedquant{kind}{page_size}"))
+  lengths = [700, 333, 2 * page_size, 1]
+  B, T, N, K, H = len(lengths), 2, 8, 2, 128
+  kp, vp, table = _paged(rng, B, lengths, page_size, K, H, jnp.float32)
+  (kq, ks), (vq, vs) = _quantized(kp, kind, rng), _quantized(vp, kind, rng)
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  got = decode_attention(q, kq, vq, lengths, block_table=table, k_scale=ks, v_scale=vs,
+                         return_residual=True, implementation=tu.IMPL)
+  gather = lambda x, s: (gather_pages(x, table),
+                         s if s.shape[0] == 1 else gather_pages(s, table))
+  (kc, ksc), (vc, vsc) = gather(kq, ks), gather(vq, vs)
+  contiguous = decode_attention(q, kc, vc, lengths, k_scale=ksc, v_scale=vsc,
+                                return_residual=True, implementation=tu.IMPL)
+  for x, y in zip(got, contiguous):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  _check(q, kc, vc, ksc, vsc, lengths, "bfloat16", got=got)
+
+
+@pytest.mark.parametrize("kind", list(QUANT))
+def test_quantized_caches_write_and_attend(kind):
+  """``KVCache`` and ``PagedKVCache`` of a quantized dtype: a prefill then
+  steps of T = 1 and 3 under jit; each step equals ``decode_attention`` over
+  the positions quantized by ``quantize``, and the two caches agree."""
+  rng = np.random.default_rng(tu.seed_of(f"quantcache{kind}"))
+  L, B, P, K, H, N = 2, 3, 40, 2, 64, 4
+  dtype = QUANT[kind]
+  k = jnp.asarray(rng.standard_normal((L, B, P, K, H)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((L, B, P, K, H)), jnp.bfloat16)
+  prompt = [40, 17, 1]
+  dense = KVCache.from_prefill(k, v, prompt, 64, dtype=dtype)
+  paged = PagedKVCache.from_prefill(k, v, prompt, num_pages=16, page_size=16, max_len=64,
+                                    dtype=dtype)
+  all_k, all_v = [np.asarray(k[1], np.float32)], [np.asarray(v[1], np.float32)]
+  step = jax.jit(lambda c, q, kn, vn: c.attend(1, q, kn, vn))
+  for T in (1, 3):
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+    kn = jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.bfloat16)
+    vn = jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.bfloat16)
+    out, dense = step(dense, q, kn, vn)
+    out_paged, paged = step(paged.reserve(T), q, kn, vn)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_paged, np.float32))
+    # The same positions quantized directly, as a contiguous cache.
+    lengths = np.asarray(dense.lengths) + T
+    full_k = np.zeros((B, 64, K, H), np.float32)
+    full_v = np.zeros((B, 64, K, H), np.float32)
+    for b in range(B):
+      n = prompt[b]
+      full_k[b, :n] = all_k[0][b, :n]
+      full_v[b, :n] = all_v[0][b, :n]
+    all_k.append(np.asarray(kn, np.float32))
+    all_v.append(np.asarray(vn, np.float32))
+    for b in range(B):
+      pos = prompt[b]
+      for x in all_k[1:]:
+        full_k[b, pos:pos + x.shape[1]] = x[b]
+        pos += x.shape[1]
+      pos = prompt[b]
+      for x in all_v[1:]:
+        full_v[b, pos:pos + x.shape[1]] = x[b]
+        pos += x.shape[1]
+    unit = None if kind == "int8" else jnp.ones((1, 1, K), jnp.float32)
+    kq, ks = quantize(jnp.asarray(full_k, jnp.bfloat16), dtype, unit)
+    vq, vs = quantize(jnp.asarray(full_v, jnp.bfloat16), dtype, unit)
+    want = decode_attention(q, kq, vq, jnp.asarray(lengths, jnp.int32), k_scale=ks, v_scale=vs)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    dense, paged = dense.advance(T), paged.advance(T)
+
+
+@pytest.mark.parametrize("kind", list(QUANT))
+def test_quantized_error_against_float_cache(kind):
+  """The documented bound (docs/decode.md): over a bf16 cache of N(0, 1) keys
+  and values at S = 4096, the int8 cache's output differs from the bf16
+  cache's by at most 2% of the output's largest magnitude, the float8 cache's
+  (scale max|x| / 448 per head, times 0.5 to 2) by at most 6% (measured on
+  the CPU: 1.2% and 3.9%)."""
+  rng = np.random.default_rng(tu.seed_of(f"quantbound{kind}"))
+  B, S, N, K, H = 2, 4096, 8, 2, 128
+  q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
+  lengths = jnp.full((B,), S, jnp.int32)
+  plain = decode_attention(q, k, v, lengths, implementation=tu.IMPL)
+  (kq, ks), (vq, vs) = _quantized(k, kind, rng), _quantized(v, kind, rng)
+  got = decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, implementation=tu.IMPL)
+  err = tu.max_err(got, np.asarray(plain, np.float64))
+  largest = float(jnp.max(jnp.abs(plain.astype(jnp.float32))))
+  assert err <= {"int8": 0.02, "float8_e4m3fn": 0.06}[kind] * largest, (err, largest)
+
+
+def test_quantized_gradients_reach_query_and_scales():
+  """Gradients through a quantized cache: query's and the scales', as those of
+  the same attention over the dequantized cache (float32, the xla path)."""
+  rng = np.random.default_rng(tu.seed_of("quantgrad"))
+  B, S, N, K, H = 2, 200, 4, 2, 64
+  q = jnp.asarray(rng.standard_normal((B, 2, N, H)), jnp.float32)
+  kq, ks = quantize(jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32), jnp.int8)
+  vq, vs = quantize(jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32), jnp.int8)
+  lengths = jnp.asarray([S, 77], jnp.int32)
+  d_out = jnp.asarray(rng.standard_normal((B, 2, N, H)), jnp.float32)
+
+  def loss(implementation):
+    return lambda q, ks, vs: jnp.sum(decode_attention(
+        q, kq, vq, lengths, k_scale=ks, v_scale=vs, implementation=implementation) * d_out)
+
+  got = jax.grad(loss(tu.IMPL), argnums=(0, 1, 2))(q, ks, vs)
+  want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, ks, vs)
+  for name, x, y in zip(("dq", "dk_scale", "dv_scale"), got, want):
+    scale = float(jnp.max(jnp.abs(y)))
+    assert tu.max_err(x, np.asarray(y, np.float64)) <= 1e-4 * scale + 1e-6, name
+
+
+def test_quantized_outputs_poisoned():
+  """Every output element is written (outputs donated as NaN buffers, as
+  test_poison does it), through the split-KV merge."""
+  rng = np.random.default_rng(tu.seed_of("quantpoison"))
+  B, T, S, N, K, H = 3, 1, 4099, 8, 2, 128
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+  kq, ks = quantize(jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32), jnp.int8)
+  vq, vs = quantize(jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32), jnp.int8)
+  lengths = jnp.asarray([S, 1000, 0], jnp.int32)
+
+  def attention(poison, q, kq, vq, ks, vs):
+    del poison
+    return decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, return_residual=True,
+                            implementation=tu.IMPL)
+
+  poisoned = jax.jit(attention, donate_argnums=0, keep_unused=True)
+  poison = (jnp.full(q.shape, jnp.nan, q.dtype), jnp.full(q.shape[:-1], jnp.nan, jnp.float32))
+  out, lse = poisoned(poison, q, kq, vq, ks, vs)
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert not np.isnan(np.asarray(lse)).any()
+  _check(q, kq, vq, ks, vs, lengths, "bfloat16", got=(out, lse))
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("no_scales", ValueError, "needs k_scale and v_scale"),
+    ("one_scale", ValueError, "must be given together"),
+    ("float_cache", ValueError, "are for an int8 or float8_e4m3fn cache"),
+    ("bad_shape", ValueError, "does not broadcast"),
+    ("int_scale", TypeError, "k_scale must be floating point"),
+    ("mixed", ValueError, "of one dtype"),
+])
+def test_quantized_errors(case, error, message):
+  B, S, N, K, H = 2, 32, 4, 2, 16
+  q = jnp.zeros((B, 1, N, H), jnp.bfloat16)
+  kq = jnp.zeros((B, S, K, H), jnp.int8)
+  s = jnp.ones((B, S, K), jnp.float32)
+  args = {
+      "no_scales": (kq, kq, {}),
+      "one_scale": (kq, kq, {"k_scale": s}),
+      "float_cache": (kq.astype(jnp.bfloat16), kq.astype(jnp.bfloat16),
+                      {"k_scale": s, "v_scale": s}),
+      "bad_shape": (kq, kq, {"k_scale": jnp.ones((B, S + 1, K)), "v_scale": s}),
+      "int_scale": (kq, kq, {"k_scale": jnp.ones((B, S, K), jnp.int32), "v_scale": s}),
+      "mixed": (kq, kq.astype(jnp.float8_e4m3fn), {"k_scale": s, "v_scale": s}),
+  }[case]
+  with pytest.raises(error, match=message):
+    decode_attention(q, args[0], args[1], jnp.full((B,), S), **args[2])
