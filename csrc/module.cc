@@ -108,7 +108,8 @@ NB_MODULE(_ffi, m) {
   }, "The plan each FFI target ran its latest call (CUDA: latest call site's first run) with.");
 
   m.def("dtype_codes", []() {
-    return Dict({{"float16", kFaF16}, {"bfloat16", kFaBF16}, {"float32", kFaF32}});
+    return Dict({{"float16", kFaF16}, {"bfloat16", kFaBF16}, {"float32", kFaF32},
+                 {"int8", kFaI8}, {"float8_e4m3fn", kFaF8E4M3}});
   }, "Every kernel's element type codes (csrc/kernels/attention_dtypes.h), by dtype name.");
 
   m.def("cpu_plan",

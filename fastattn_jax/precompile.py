@@ -19,7 +19,7 @@ import re
 import sys
 
 from fastattn_jax import _ffi, cuda
-from fastattn_jax.shapes import DTYPE_CODES
+from fastattn_jax.shapes import KERNEL_DTYPES
 
 
 def spills(log: str) -> int:
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                       help="parallel compiles (default: CPU count)")
   args = parser.parse_args(argv)
   for d in args.dtypes:
-    if d not in DTYPE_CODES:
+    if d not in {dtype.name for dtype in KERNEL_DTYPES}:
       parser.error(f"--dtypes: unknown dtype {d!r}")
   cuda.configure()  # FASTATTN_CACHE_DIR / FASTATTN_NVRTC as set now
   if not args.head_dims or not all(0 < h <= cuda.MAX_HEAD_DIM for h in args.head_dims):

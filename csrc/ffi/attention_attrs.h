@@ -118,6 +118,58 @@ inline xla::ffi::Error CheckQkvPaged(xla::ffi::Span<const int64_t> qd,
   return xla::ffi::Error::Success();
 }
 
+// A quantized cache (kFaI8 or kFaF8E4M3) and its scales, read from the
+// operands of a call: the dequantized key is key * k_scale (value likewise),
+// the scales float32 and broadcast over the cache's first three dims, (B, S,
+// K) or a paged cache's (pages, page_size, K).
+struct KvScales {
+  int dtype = -1;  // the cache's FaDtype; -1: not quantized
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t k_strides[3] = {0, 0, 0};  // elements per step of each dim; 0 where broadcast
+  int64_t v_strides[3] = {0, 0, 0};
+};
+
+// Reads the scales of the cache `kd` of element type `kv_type`: empty scale
+// operands, no quantization (the cache then has the query's type); else the
+// cache int8 or float8_e4m3fn and each scale 3-D, every dim 1 or the cache's.
+inline xla::ffi::Error CheckKvScales(xla::ffi::DataType kv_type, xla::ffi::Span<const int64_t> kd,
+                                     xla::ffi::Buffer<xla::ffi::F32>& k_scale,
+                                     xla::ffi::Buffer<xla::ffi::F32>& v_scale, KvScales* s) {
+  *s = KvScales{};
+  if (k_scale.element_count() == 0 && v_scale.element_count() == 0) {
+    return xla::ffi::Error::Success();
+  }
+  if (kv_type == xla::ffi::DataType::S8) {
+    s->dtype = kFaI8;
+  } else if (kv_type == xla::ffi::DataType::F8E4M3FN) {
+    s->dtype = kFaF8E4M3;
+  } else {
+    return xla::ffi::Error::InvalidArgument(
+        "a cache with scales must be S8 or F8E4M3FN");
+  }
+  auto strides = [&](xla::ffi::Span<const int64_t> dims, int64_t out[3]) {
+    if (dims.size() != 3 || kd.size() != 4) return false;
+    int64_t stride = 1;
+    for (int d = 2; d >= 0; --d) {
+      if (dims[d] != 1 && dims[d] != kd[d]) return false;
+      out[d] = dims[d] == 1 ? 0 : stride;
+      stride *= dims[d];
+    }
+    return true;
+  };
+  if (!strides(k_scale.dimensions(), s->k_strides) ||
+      !strides(v_scale.dimensions(), s->v_strides)) {
+    return xla::ffi::Error::InvalidArgument(
+        "k_scale " + DimsString(k_scale.dimensions()) + " and v_scale " +
+        DimsString(v_scale.dimensions()) + " must broadcast to the cache's first dims of " +
+        DimsString(kd));
+  }
+  s->k = k_scale.typed_data();
+  s->v = v_scale.typed_data();
+  return xla::ffi::Error::Success();
+}
+
 // The data of a (B,) lengths operand, or nullptr when it is empty (absent).
 inline xla::ffi::Error CheckLengths(const char* name, xla::ffi::Buffer<xla::ffi::S32>& lens,
                                     int64_t B, const int32_t** data) {

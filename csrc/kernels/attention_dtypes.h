@@ -13,5 +13,14 @@
 #define FA_F16 0
 #define FA_BF16 1
 #define FA_F32 2
+// A quantized KV cache's elements (read with float32 scales beside them).
+#define FA_I8 3
+#define FA_F8E4M3 4
 
-enum FaDtype : int { kFaF16 = FA_F16, kFaBF16 = FA_BF16, kFaF32 = FA_F32 };
+enum FaDtype : int {
+  kFaF16 = FA_F16,
+  kFaBF16 = FA_BF16,
+  kFaF32 = FA_F32,
+  kFaI8 = FA_I8,
+  kFaF8E4M3 = FA_F8E4M3,
+};
