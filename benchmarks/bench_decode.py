@@ -32,7 +32,10 @@ GPUs).
 each page size: the same K/V sets seen as pools of pages (a reshape, no
 copy) read through a block table that shuffles every sequence's pages over
 the pool (a fixed random permutation), reported as its share of the
-contiguous cache's bandwidth.
+contiguous cache's bandwidth. ``--kv-dtypes int8,float8_e4m3fn`` adds
+``decode_attention`` over the same K/V sets quantized (``decode.quantize``,
+outside the timed loop: int8 per position and head, float8 with a per-head
+scale of max |x| / 448), reported as its speed over the 16-bit cache's.
 
 Run::
 
@@ -53,6 +56,7 @@ from tqdm import tqdm
 
 from benchmarks.bench import SUBJECT, WARMUP_SECONDS, int_list
 from fastattn_jax import decode_attention
+from fastattn_jax.decode import quantize
 from fastattn_jax.timing import median_seconds
 
 
@@ -111,6 +115,30 @@ def paged_competitor(page_size: int):
   return attention
 
 
+#: Name prefix of the quantized-cache entries (``quantized_competitor``),
+#: fastattn's own as well.
+QUANT = "kv "
+
+
+def quantized_competitor(kv_dtype: str):
+  """``decode_attention`` over a cache of ``kv_dtype`` (int8 or
+  float8_e4m3fn): its ``prepare(k, v)`` quantizes a K/V set once, before the
+  timed loop, to the ``(values, scale)`` pairs the attention takes."""
+
+  def attention(q, k, v, lengths, mask):
+    return decode_attention(q, k[0], v[0], lengths, k_scale=k[1], v_scale=v[1])
+
+  def prepare(k, v):
+    if kv_dtype == "int8":
+      return quantize(k, jnp.int8), quantize(v, jnp.int8)
+    per_head = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1, 3))[None, None] / 448
+    return (quantize(k, jnp.float8_e4m3fn, per_head(k)),
+            quantize(v, jnp.float8_e4m3fn, per_head(v)))
+
+  attention.prepare = prepare
+  return attention
+
+
 def competitors(platform: str) -> dict:
   """``{name: attention(q, k, v, lengths, mask)}`` for a JAX platform
   ("cpu", "gpu"): ``decode_attention`` as SUBJECT (end-aligned causal among
@@ -160,8 +188,13 @@ def run_case(B, T, S, N, K, H, dtype, comps, calls, repeats, footprint_bytes) ->
   for name, attention in comps.items():
     try:
       loop = _loop(attention, calls)
-      seconds = median_seconds(lambda: loop(q, ks, vs, lengths, mask), repeats,
+      prepare = getattr(attention, "prepare", None)
+      sets_k, sets_v = ks, vs
+      if prepare is not None:
+        sets_k, sets_v = zip(*(prepare(k, v) for k, v in zip(ks, vs)))
+      seconds = median_seconds(lambda: loop(q, sets_k, sets_v, lengths, mask), repeats,
                                warmup_seconds=WARMUP_SECONDS) / calls
+      del sets_k, sets_v
       row[name] = {"us": seconds * 1e6, "GB/s": kv_bytes / seconds / 1e9}
     except Exception as err:  # a competitor that cannot run this shape
       row[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}
@@ -176,12 +209,14 @@ def format_table(rows: list[dict], names: list[str], copy_gbs: float) -> str:
   ("1.04x (cudnn)": the competitor takes 1.04 times as long); "err" and "-"
   where an entry did not run."""
   paged = [n for n in names if n.startswith(PAGED)]
-  rivals = [n for n in names if n != SUBJECT and n not in paged]
-  names = [n for n in names if n not in paged]
+  quantized = [n for n in names if n.startswith(QUANT)]
+  rivals = [n for n in names if n != SUBJECT and n not in paged + quantized]
+  names = [n for n in names if n not in paged + quantized]
   versus = f"fastest of {', '.join(rivals)}" if len(rivals) > 1 else rivals[0]
   head = ["B", "T", "S"] + [f"{n} us" for n in names]
   head += [f"{SUBJECT} GB/s", f"{SUBJECT} % copy", f"{SUBJECT} vs {versus}"]
   head += [f"{n} us (% of contiguous GB/s)" for n in paged]
+  head += [f"{n} us (speed over {SUBJECT}'s)" for n in quantized]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     us = {n: r[n].get("us") for n in names}
@@ -198,6 +233,10 @@ def format_table(rows: list[dict], names: list[str], copy_gbs: float) -> str:
       paged_us = r[n].get("us")
       cells.append(f"{paged_us:.1f} ({100 * us[SUBJECT] / paged_us:.0f}%)"
                    if paged_us and us[SUBJECT] else "err")
+    for n in quantized:
+      quant_us = r[n].get("us")
+      cells.append(f"{quant_us:.1f} ({us[SUBJECT] / quant_us:.2f}x)"
+                   if quant_us and us[SUBJECT] else "err")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -223,6 +262,9 @@ def main(argv=None) -> None:
                            "of the L2)")
   parser.add_argument("--page-sizes", type=int_list, default=(),
                       help="also time a paged cache of these page sizes")
+  parser.add_argument("--kv-dtypes", type=lambda text: [x for x in text.split(",") if x],
+                      default=(), help="also time a quantized cache of these dtypes (int8, "
+                                       "float8_e4m3fn)")
   parser.add_argument("--out", default="bench_results", help="output directory")
   args = parser.parse_args(argv)
 
@@ -230,6 +272,10 @@ def main(argv=None) -> None:
   platform = device.platform
   comps = competitors(platform)
   comps.update({f"{PAGED}{p}": paged_competitor(p) for p in args.page_sizes})
+  for kv_dtype in args.kv_dtypes:
+    if kv_dtype not in ("int8", "float8_e4m3fn"):
+      parser.error(f"--kv-dtypes: int8 or float8_e4m3fn, got {kv_dtype!r}")
+    comps[f"{QUANT}{kv_dtype}"] = quantized_competitor(kv_dtype)
   names = list(comps)
   copy_gbs = copy_bandwidth(device) / 1e9
   print(f"device: {device.device_kind}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")

@@ -54,6 +54,7 @@ nb::dict VariantDict(const cu::KernelVariant& v) {
                      {"extras", v.extras},
                      {"decode_rows", v.decode_rows},
                      {"paged", v.paged},
+                     {"kv_quant", v.kv_quant},
                      {"backward", v.backward}});
   d["describe"] = v.Describe();
   return d;
@@ -142,7 +143,8 @@ NB_MODULE(_ffi, m) {
         [](int kernel_sm, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int dtype, bool bias, bool mask, bool q_lens, float scale, float softcap,
            int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right,
-           bool backward, bool deterministic, int out_dtype, bool for_backward, bool paged) {
+           bool backward, bool deterministic, int out_dtype, bool for_backward, bool paged,
+           int kv_quant) {
           cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, q_lens,
                           fa_make_rules(scale, softcap, causal, end_aligned, window_left,
                                         window_right),
@@ -150,6 +152,7 @@ NB_MODULE(_ffi, m) {
           c.out_dtype = out_dtype;
           c.for_backward = for_backward;
           c.paged = paged;
+          c.kv_quant = kv_quant;
           cu::CallPlan plan;
           if (std::string why = cu::PlanCall(kernel_sm, c, &plan); !why.empty()) {
             throw nb::value_error(why.c_str());
@@ -167,12 +170,14 @@ NB_MODULE(_ffi, m) {
         nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("backward") = false, nb::arg("deterministic") = false,
         nb::arg("out_dtype") = -1, nb::arg("for_backward") = false, nb::arg("paged") = false,
+        nb::arg("kv_quant") = 0,
         "The variant and operand layout kernel kernel_sm serves a call (or its backward, "
         "deterministic: with a fixed summation order) "
         "with; out_dtype: the forward's out dtype code (-1: dtype's); for_backward: the "
         "VJP's forward, whose logits the backward recomputes bit for bit; paged: k and v "
-        "are pools of pages (only the decode kernel's paged build reads them); ValueError "
-        "names why it cannot.");
+        "are pools of pages (only the decode kernel's paged build reads them); kv_quant: "
+        "the code of a quantized cache's element (0: none; only the decode kernel's build "
+        "80 reads one); ValueError names why it cannot.");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int cc, int multiprocessors, int blocks_per_sm) {
@@ -195,15 +200,16 @@ NB_MODULE(_ffi, m) {
         nb::arg("variant"), "The fields of a variant key.");
   m.def("cuda_variant_key",
         [](int kernel_sm, int head_dim, int dtype, int out_dtype, bool extras, int decode_rows,
-           bool paged) {
+           bool paged, int kv_quant) {
           cu::KernelVariant v;
           v.kernel_sm = kernel_sm, v.head_dim = head_dim, v.dtype = dtype;
           v.out_dtype = out_dtype, v.extras = extras, v.decode_rows = decode_rows;
-          v.paged = paged;
+          v.paged = paged, v.kv_quant = kv_quant;
           return v.Key();
         },
         nb::arg("kernel_sm"), nb::arg("head_dim"), nb::arg("dtype"), nb::arg("out_dtype"),
         nb::arg("extras") = false, nb::arg("decode_rows") = 0, nb::arg("paged") = false,
+        nb::arg("kv_quant") = 0,
         "The key of a variant given by its fields (checked when it is compiled or loaded).");
   m.def("cuda_shipped_variants",
         [](int cc, const std::vector<int>& head_dims, const std::vector<int>& dtypes) {

@@ -143,7 +143,7 @@ def operand_dtype(implementation: str, dtype) -> str:
 
 def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
          bias: bool = False, mask: bool = False, q_lens: bool = False,
-         backward: bool = False) -> dict:
+         backward: bool = False, kv_dtype=None) -> dict:
   """How ``implementation`` serves a call (with ``backward``, its gradients,
   in a fixed summation order where ``config.deterministic``): the owner's
   ``CallPlan`` as a dict (variant key and fields, operand dtype code, row
@@ -151,6 +151,9 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   ``config.float32_out`` (the variant's out_dtype), else in ``dtype``. With
   ``config.has_block_table``, ``k_shape`` is the cache the pages make, (B,
   max_pages * page_size, K, H), and a decode variant is the paged build.
+  With ``config.has_kv_scales``, ``kv_dtype`` is the quantized cache's
+  (int8 or float8_e4m3fn), and the decode kernel's build 80 reads it in
+  place at H a multiple of 16 (``reads_quantized``).
 
   Raises:
     ValueError: the kernels cannot serve the call (e.g. H > 256; the backward:
@@ -170,7 +173,8 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
       bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic,
       DTYPE_CODES["float32"] if config.float32_out and not backward else -1,
-      config.for_backward and not backward, config.has_block_table and not backward)
+      config.for_backward and not backward, config.has_block_table and not backward,
+      DTYPE_CODES[jnp.dtype(kv_dtype).name] if config.has_kv_scales and not backward else 0)
 
 
 def describe_variant(plan_: dict) -> str:
@@ -210,8 +214,9 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
   With ``block_table`` (B, max_pages), k and v are pools of pages: the decode
   kernel reads them in place where the plan takes it (``reads_pages``), and
   any other kernel gets them gathered into one (B, S, K, H) cache. With
-  ``k_scale`` and ``v_scale``, k and v are a quantized cache, dequantized to
-  q's dtype first.
+  ``k_scale`` and ``v_scale``, k and v are a quantized cache: the decode
+  kernel reads it in place where the plan takes it (``reads_quantized``),
+  any other kernel gets it dequantized to q's dtype first.
   """
   _configured()
   B, T, N, H = q.shape
@@ -219,22 +224,35 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
   if block_table is not None:
     k_shape = (B, block_table.shape[1] * k.shape[1], *k.shape[2:])
   p = plan(implementation, config, q.shape, k_shape, q.dtype, bias is not None,
-           mask is not None, q_lens is not None)
+           mask is not None, q_lens is not None, kv_dtype=k.dtype)
   in_place = block_table is not None and reads_pages(p)
-  k, v = plain_kv(k, v, None if in_place else block_table, k_scale, v_scale, q.dtype)
+  quantized = k_scale is not None and reads_quantized(p)
+  k, v = plain_kv(k, v, None if in_place else block_table, None if quantized else k_scale,
+                  None if quantized else v_scale, q.dtype)
   if not in_place:
     block_table = None
+  if not quantized:
+    k_scale = v_scale = jnp.zeros((0,), jnp.float32)
   out_dtype = jnp.dtype(_DTYPE_NAMES[p["out_dtype"]])
-  q, k, v = _kernel_rows(p, q, k, v)
+  if quantized:  # H a multiple of 16: the 8-bit rows as they are
+    (q,) = _kernel_rows(p, q)
+  else:
+    q, k, v = _kernel_rows(p, q, k, v)
   workspace = launch(p, q.shape, k_shape)["workspace_floats"]
   out, lse, _ = kernel_call(TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
                                      jax.ShapeDtypeStruct((B, T, N), jnp.float32),
                                      jax.ShapeDtypeStruct((workspace,), jnp.float32)),
                             config, q, k, v, bias, mask, q_lens, kv_lens,
                             jnp.zeros((0,), jnp.int32) if block_table is None else block_table,
-                            bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
+                            k_scale, v_scale, bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
                             fold_heads=np.int64(p["fold_heads"]))
   return out[..., :H], lse
+
+
+def reads_quantized(plan_: dict) -> bool:
+  """Whether the kernel of ``plan_`` reads a quantized cache in place: the
+  decode kernel's quantized builds do (``csrc/kernels/cuda/attention_decode.cu``)."""
+  return bool(_ffi.cuda_variant(plan_["variant"])["kv_quant"])
 
 
 def reads_pages(plan_: dict) -> bool:

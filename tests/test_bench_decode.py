@@ -70,3 +70,20 @@ def test_table_ratio_to_the_fastest_competitor():
                            "fastattn vs fastest of xla, cudnn |")
   assert lines[2] == "| 8 | 1 | 4096 | 50.0 | 65.0 | 60.0 | 2000 | 50% | 1.20x (cudnn) |"
   assert lines[3] == "| 8 | 1 | 8192 | 50.0 | 65.0 | err | 2000 | 50% | 1.30x (xla) |"
+
+
+def test_quantized_entries_run_and_report_their_speedup():
+  """``--kv-dtypes``: each entry quantizes the sets before the timed loop and
+  the table gives its speed over the 16-bit cache's."""
+  comps = bench_decode.competitors("cpu")
+  comps.update({f"{bench_decode.QUANT}{d}": bench_decode.quantized_competitor(d)
+                for d in ("int8", "float8_e4m3fn")})
+  row = bench_decode.run_case(B=1, T=1, S=256, N=4, K=2, H=32, dtype=jnp.dtype(jnp.bfloat16),
+                              comps=comps, calls=4, repeats=1, footprint_bytes=1 << 18)
+  for name in comps:
+    assert row[name]["us"] > 0, row[name]
+  line = bench_decode.format_table([row], list(comps), copy_gbs=1.0).splitlines()
+  assert line[0].endswith("| kv int8 us (speed over fastattn's) | "
+                          "kv float8_e4m3fn us (speed over fastattn's) |")
+  ratio = row["fastattn"]["us"] / row["kv int8"]["us"]
+  assert f"{row['kv int8']['us']:.1f} ({ratio:.2f}x)" in line[2]

@@ -165,6 +165,36 @@ def test_paged_decode_is_its_own_build(cache):
     assert r["cubin_bytes"] > 0 and precompile.spills(r["log"]) == 0, r["log"]
 
 
+def test_quantized_decode_is_its_own_build(cache):
+  """A quantized cache (int8 or float8) is read in place by builds of the
+  decode kernel of their own (build 80, H a multiple of 16), which compile
+  without spills; build 75, H = 40 and calls with more rows than the decode
+  kernel holds plan no quantized build (the caller dequantizes)."""
+  if tu.has_gpu():
+    pytest.skip("CPU-only check (a GPU machine compiles for its own arch in the GPU suite)")
+  config = AttentionConfig(scale=0.1, is_causal=True, end_aligned=True, has_kv_lens=True,
+                           has_kv_scales=True)
+  q, k = (1, 2, 32, 128), (1, 4096, 8, 128)
+  for kv in (jnp.int8, jnp.float8_e4m3fn):
+    code = DTYPE_CODES[jnp.dtype(kv).name]
+    for implementation, quant in (("cuda_sm90", code), ("cuda_sm80", code), ("cuda_sm75", 0)):
+      plan = cuda.plan(implementation, config, q, k, jnp.bfloat16, kv_dtype=kv)
+      assert (plan["kv_quant"], cuda.reads_quantized(plan)) == (quant, bool(quant))
+    assert cuda.plan("cuda_sm90", config, (1, 2, 32, 40), (1, 4096, 8, 40), jnp.bfloat16,
+                     kv_dtype=kv)["kv_quant"] == 0
+    assert cuda.plan("cuda_sm90", config, (1, 17, 32, 128), k, jnp.bfloat16,
+                     kv_dtype=kv)["kv_quant"] == 0
+  plain = dataclasses.replace(config, has_kv_scales=False)
+  assert cuda.plan("cuda_sm90", plain, q, k, jnp.bfloat16)["kv_quant"] == 0
+  for cc, rows, h, kv, paged in ((90, 1, 128, "int8", False), (90, 64, 256, "int8", True),
+                                 (80, 8, 64, "float8_e4m3fn", True), (90, 2, 96, "float8_e4m3fn",
+                                                                      False)):
+    r = cuda.compile_variant(_ffi.cuda_variant_key(80, h, DTYPE_CODES["bfloat16"],
+                                                   DTYPE_CODES["bfloat16"], False, rows, paged,
+                                                   DTYPE_CODES[kv]), cc)
+    assert r["cubin_bytes"] > 0 and precompile.spills(r["log"]) == 0, r["log"]
+
+
 @pytest.mark.parametrize("implementation, decode", [
     ("cuda_sm70", False), ("cuda_sm75", False), ("cuda_sm80", True), ("cuda_sm90", True)])
 def test_forward_for_backward_takes_a_kernel_the_backward_recomputes(implementation, decode):

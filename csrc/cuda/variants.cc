@@ -10,8 +10,8 @@ namespace fastattn::cuda {
 namespace {
 
 const char* DtypeName(int dtype) {
-  static const char* names[] = {"f16", "bf16", "f32"};
-  return dtype >= 0 && dtype <= 2 ? names[dtype] : "?";
+  static const char* names[] = {"f16", "bf16", "f32", "int8", "fp8"};
+  return dtype >= 0 && dtype <= kFaF8E4M3 ? names[dtype] : "?";
 }
 
 // Forward split-KV: each split covers at least this many keys, and a unit
@@ -37,7 +37,8 @@ std::string KernelVariant::Describe() const {
   }
   if (decode_rows) {
     return "decode sm" + std::to_string(kernel_sm) + " rows=" + std::to_string(decode_rows) +
-           " H=" + std::to_string(head_dim) + " " + types + (paged ? " paged" : "");
+           " H=" + std::to_string(head_dim) + " " + types + (paged ? " paged" : "") +
+           (kv_quant ? std::string(" ") + DtypeName(kv_quant) + " cache" : "");
   }
   return "sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " + types +
          (extras ? " extras" : "");
@@ -54,6 +55,10 @@ std::string KernelVariant::Check() const {
   if (out_dtype < kFaF16 || out_dtype > kFaF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
   if (paged != 0 && (paged != 1 || !decode_rows)) return "paged: the decode kernel only, 0 or 1";
+  if (kv_quant != 0 && ((kv_quant != kFaI8 && kv_quant != kFaF8E4M3) || !decode_rows ||
+                        kernel_sm != 80)) {
+    return "kv_quant: the decode kernel's build 80 only, int8 or float8_e4m3fn";
+  }
   if (backward) {
     if (backward < 1 || backward > BackwardBuilds(kernel_sm) ||
         (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) ||
@@ -100,30 +105,36 @@ std::vector<std::string> KernelVariant::Defines() const {
                                 "-DFA_OUT_DTYPE=" + std::to_string(out_dtype)};
   d.push_back(decode_rows ? "-DFA_DECODE_ROWS=" + std::to_string(decode_rows)
                           : "-DFA_EXTRAS=" + std::to_string(extras));
-  if (decode_rows) d.push_back("-DFA_DECODE_PAGED=" + std::to_string(paged));
+  if (decode_rows) {
+    d.push_back("-DFA_DECODE_PAGED=" + std::to_string(paged));
+    d.push_back("-DFA_KV_QUANT=" + std::to_string(kv_quant));
+  }
   if (backward) d.push_back("-DFA_ATOMIC_DQ=" + std::to_string(backward == 2));
   return d;
 }
 
 FaTile KernelVariant::Tile(int cc) const {
   return backward      ? fa_backward_tile(kernel_sm, head_dim, backward == 2)
-       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, cc)
+       : decode_rows ? fa_decode_tile(kernel_sm, decode_rows, head_dim, cc, kv_quant != 0)
                      : fa_forward_tile(kernel_sm, head_dim, extras != 0, cc);
 }
 
-// The bit of Key() above every other field's: paged decode variants.
+// The bits of Key() above every other field's: paged decode variants, then
+// the quantized cache's element code (3 bits).
 constexpr int kPagedBit = 40;
+constexpr int kKvQuantBit = 41;
 
 int64_t KernelVariant::Key() const {
-  // backward and paged above the other fields: the other variants keep their keys.
-  return (int64_t{paged} << kPagedBit) +
+  // backward, paged and kv_quant above the other fields: the other variants keep their keys.
+  return (int64_t{kv_quant} << kKvQuantBit) + (int64_t{paged} << kPagedBit) +
          ((((((int64_t{backward} * 128 + kernel_sm) * 1024 + head_dim) * 4 + dtype) * 4 +
             out_dtype) * 2 + extras) * 128 + decode_rows);
 }
 
 KernelVariant KernelVariant::FromKey(int64_t key) {
   KernelVariant v;
-  v.paged = static_cast<int>(key >> kPagedBit);
+  v.kv_quant = static_cast<int>(key >> kKvQuantBit);
+  v.paged = static_cast<int>((key >> kPagedBit) & 1);
   key &= (int64_t{1} << kPagedBit) - 1;
   v.decode_rows = static_cast<int>(key % 128);
   key /= 128;
@@ -187,6 +198,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     v.kernel_sm = fa_decode_build(kernel_sm);
     v.decode_rows = rows;
     v.paged = c.paged;
+    v.kv_quant = v.kernel_sm == 80 && c.H % 16 == 0 ? c.kv_quant : 0;
     v.dtype = plan->operand_dtype = c.dtype == kFaBF16 ? kFaBF16 : kFaF16;
     v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
     return "";

@@ -29,6 +29,8 @@ struct KernelVariant {
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
   int paged = 0;        // the decode kernel: k and v are pools of pages read
                         // through a block table (FaPages)
+  int kv_quant = 0;     // the decode kernel, build 80: 0, or kFaI8 / kFaF8E4M3,
+                        // k and v a quantized cache read with scales (FaKvScales)
   int backward = 0;     // the backward kernels (kernel_sm 70, 75, 80 or 90): 1 dQ
                         // in a pass of its own (deterministic), 2 (kernel 90)
                         // dQ added into a float32 buffer by atomics
@@ -69,6 +71,10 @@ struct CallShape {
   // decode kernel's paged build reads in place (the caller gathers the pages
   // for any other kernel).
   bool paged = false;
+  // Forward: k and v are a quantized cache (kFaI8 or kFaF8E4M3; 0: not), which
+  // only the decode kernel's build 80 reads in place, at H a multiple of 16
+  // (16-byte rows; the caller dequantizes the cache for any other kernel).
+  int kv_quant = 0;
 };
 
 // How a kernel serves a call.

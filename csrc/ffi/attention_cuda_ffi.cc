@@ -108,15 +108,35 @@ const XLA_FFI_TypeInfo* CudaSiteStateTypeInfo() {
 
 namespace {
 
+// The forward's operands of a paged and/or quantized cache (empty buffers
+// where it is neither).
+struct CacheOperands {
+  ffi::Buffer<ffi::S32>& block_table;
+  ffi::Buffer<ffi::F32>& k_scale;
+  ffi::Buffer<ffi::F32>& v_scale;
+};
+
 // Checks the buffers against the site's variant; *d gets the call's shapes.
-// With a block table (the forward's; non-empty: a paged cache, which only
-// the decode kernel reads), *paged gets it.
+// With the forward's cache operands (a non-empty block table: a paged cache;
+// scales: a quantized one; only the decode kernel reads either), *paged and
+// *scales get them.
 ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer out, fastattn::QkvDims* d,
-                     ffi::Buffer<ffi::S32>* table = nullptr, fastattn::PagedKv* paged = nullptr,
+                     const CacheOperands* cache = nullptr, fastattn::PagedKv* paged = nullptr,
+                     fastattn::KvScales* scales = nullptr,
                      ffi::DataType out_type = ffi::DataType::INVALID) {
   if (out_type == ffi::DataType::INVALID) out_type = out.element_type();
+  ffi::Buffer<ffi::S32>* table = cache ? &cache->block_table : nullptr;
   fastattn::PagedKv none;
+  fastattn::KvScales plain;
+  if (!scales) scales = &plain;
+  if (cache) {
+    if (auto err = fastattn::CheckKvScales(k.element_type(), k.dimensions(), cache->k_scale,
+                                           cache->v_scale, scales);
+        err.failure()) {
+      return err;
+    }
+  }
   if (auto err = table ? fastattn::CheckQkvPaged(q.dimensions(), k.dimensions(), v.dimensions(),
                                                  *table, d, paged)
                        : fastattn::CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), d);
@@ -131,8 +151,15 @@ ffi::Error CheckCall(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                                   : ": only the decode kernel's paged build "
                                                     "reads a paged cache"));
   }
-  if (DtypeCode(q.element_type()) != var.dtype || k.element_type() != q.element_type() ||
-      v.element_type() != q.element_type() || DtypeCode(out_type) != var.out_dtype) {
+  if (scales->dtype != (var.kv_quant ? var.kv_quant : -1)) {
+    return ffi::Error::InvalidArgument("CUDA attention kernel " + var.Describe() +
+                                       (var.kv_quant ? ": a quantized build needs scales"
+                                                     : ": only the decode kernel's quantized "
+                                                       "builds read a quantized cache"));
+  }
+  const ffi::DataType kv_type = var.kv_quant ? k.element_type() : q.element_type();
+  if (DtypeCode(q.element_type()) != var.dtype || k.element_type() != kv_type ||
+      v.element_type() != kv_type || DtypeCode(out_type) != var.out_dtype) {
     return ffi::Error::InvalidArgument("CUDA attention kernel " + var.Describe() +
                                        ": query, key, value or out has another dtype");
   }
@@ -235,11 +262,13 @@ ffi::Error InitializeContext(cu::CUstream stream, SiteState* site, const fastatt
 ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
                           ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-                          ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                           ffi::ResultBuffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>, CallAttrs) {
   fastattn::QkvDims d;
+  const CacheOperands cache{block_table, k_scale, v_scale};
   fastattn::PagedKv paged;
-  if (auto err = CheckCall(*site, q, k, v, *out, &d, &block_table, &paged); err.failure()) {
+  if (auto err = CheckCall(*site, q, k, v, *out, &d, &cache, &paged); err.failure()) {
     return err;
   }
   return InitializeContext(stream, site, d);
@@ -254,7 +283,7 @@ ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer
                          ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                          ffi::AnyBuffer dv, fastattn::QkvDims* d) {
   const bool atomic = site.variant.backward == 2;
-  if (auto err = CheckCall(site, q, k, v, dq, d, nullptr, nullptr, dk.element_type());
+  if (auto err = CheckCall(site, q, k, v, dq, d, nullptr, nullptr, nullptr, dk.element_type());
       err.failure()) {
     return err;
   }
@@ -396,12 +425,15 @@ ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const FaTile& t
 ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
                        ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                       ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::F32> k_scale,
+                       ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                        ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> workspace,
                        CallAttrs) {
   fastattn::QkvDims d;
+  const CacheOperands cache{block_table, k_scale, v_scale};
   fastattn::PagedKv paged;
-  if (auto err = CheckCall(*site, q, k, v, *out, &d, &block_table, &paged); err.failure()) {
+  fastattn::KvScales scales;
+  if (auto err = CheckCall(*site, q, k, v, *out, &d, &cache, &paged, &scales); err.failure()) {
     return err;
   }
   const cu::Driver* driver;
@@ -431,6 +463,11 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
       dp.paged = FaPages{paged.block_table, static_cast<int>(paged.max_pages),
                          static_cast<int>(paged.pages),
                          static_cast<int>(paged.page_shift)};
+    }
+    if (scales.k) {
+      dp.scales = FaKvScales{scales.k, scales.v,
+                             {scales.k_strides[0], scales.k_strides[1], scales.k_strides[2]},
+                             {scales.v_strides[0], scales.v_strides[1], scales.v_strides[2]}};
     }
     dp.rules = site->rules;
     if (auto err = FillSplit(*c, *workspace, d.H, &dp.split); err.failure()) return err;
@@ -534,6 +571,8 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
 #define FASTATTN_CUDA_BINDING(stage)                                 \
   FASTATTN_CUDA_OPERANDS(stage)                                     \
       .Arg<ffi::Buffer<ffi::S32>>()  /* block table or empty */     \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* k_scale or empty */         \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* v_scale or empty */         \
       .Ret<ffi::AnyBuffer>()         /* out */                      \
       .Ret<ffi::Buffer<ffi::F32>>()  /* lse */                      \
       .Ret<ffi::Buffer<ffi::F32>>()  /* split-KV workspace */       \

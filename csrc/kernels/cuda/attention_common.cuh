@@ -22,6 +22,8 @@
 //                 0: none of them, and scale > 0
 //   FA_DECODE_ROWS  the decode kernel's rows per block (a power of two, fa_decode_rows)
 //   FA_DECODE_PAGED the decode kernel: 1 reads k and v through a block table (FaPages)
+//   FA_KV_QUANT   the decode kernel (build 80): 0, or FA_I8 / FA_F8E4M3, k and v
+//                 a quantized cache of that element, with scales (FaKvScales)
 //
 // Each kernel source defines
 //   extern "C" __global__ void fa_forward(const FaParams p);
@@ -112,12 +114,25 @@ struct FaPages {
   int page_shift;
 };
 
+// A quantized KV cache's float32 scales (FaDecodeParams): the key at
+// position j of head kvh of sequence b is k[...] * k[b * k_stride[0] + j *
+// k_stride[1] + kvh * k_stride[2]] (a paged cache: page and row in place of b
+// and j), and likewise v; a stride is 0 where the scale is broadcast.
+struct FaKvScales {
+  const float* k;
+  const float* v;
+  long long k_stride[3];
+  long long v_stride[3];
+};
+
 // The decode kernel's: no bias, mask or query lengths (the host sends such
-// calls to the forward kernels); the only kernel that reads a paged cache.
+// calls to the forward kernels); the only kernel that reads a paged or a
+// quantized cache.
 struct FaDecodeParams : FaOperands {
   FaRules rules;
   FaSplitKV split;
   FaPages paged;
+  FaKvScales scales;
 };
 
 // A TMA descriptor (the driver's CUtensorMap, filled by
@@ -153,7 +168,7 @@ constexpr int kFaCc = __CUDA_ARCH__ / 10;
 // by the defines the variant sets. Its Br and Bc are the kernels' kBr and kBc.
 constexpr FaTile kTile =
 #if defined(FA_DECODE_ROWS)
-    fa_decode_tile(FA_KERNEL_SM, FA_DECODE_ROWS, FA_HEAD_DIM, kFaCc);
+    fa_decode_tile(FA_KERNEL_SM, FA_DECODE_ROWS, FA_HEAD_DIM, kFaCc, FA_KV_QUANT != 0);
 #elif defined(FA_ATOMIC_DQ)
     fa_backward_tile(FA_KERNEL_SM, FA_HEAD_DIM, FA_ATOMIC_DQ);
 #else

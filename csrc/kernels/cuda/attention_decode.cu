@@ -59,9 +59,29 @@
 // instructions a tile cost 13-19% at B = 1 on the H200 (43.8 against 50.4
 // us at S = 32K), where a block's walk is latency-bound.
 //
+// A quantized cache (FA_KV_QUANT: int8 or float8_e4m3fn values, float32
+// scales per position or per head, FaKvScales; build 80, H a multiple of 16)
+// is read as 8-bit rows, half the bytes, into rings of twice the stages (the
+// same bytes in flight), and converted in registers: Q K^T on float16 tensor
+// cores, q scaled by a power of two that puts the warp's largest entry near
+// 2^13 (float16 holds bf16's values there, exactly), the int8 keys exactly
+// (0x6400 | byte is 1024 + byte) and the float8 ones by their bits (value /
+// 256), each logit then times its key's scale; P V on bfloat16 ones, each
+// probability times its value's scale (bfloat16's range: no scale makes it
+// overflow or lose bits the way float16's would), the int8 values exactly
+// (through float32's 0x4B0000xx = 2^23 + byte), the float8 ones by their
+// bits (value * 2^-120, a power of two moved into the probabilities and the
+// output). To read 8-bit rows whole, the k16 steps' columns are permuted:
+// lane t4 of Q K^T reads 8 bytes of a key row at 8 (t4 + 4 u), which are
+// k columns {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9} of steps 2 u and 2 u + 1,
+// and q is loaded in that order; the keys are permuted so that the four a
+// lane's P fragment holds are rows 4 t4 .. 4 t4 + 3 of the tile, whose bytes
+// [g H / 8, (g + 1) H / 8) hold column g of the H / 8 column blocks of P V.
+//
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (a
 // power of two up to fa_decode_max_rows), the rows a block holds;
-// FA_DECODE_PAGED 0 or 1, a contiguous or paged cache;
+// FA_DECODE_PAGED 0 or 1, a contiguous or paged cache; FA_KV_QUANT 0, FA_I8
+// or FA_F8E4M3, a 16-bit or a quantized cache;
 // FA_KERNEL_SM 75 or 80, the build. Any scale and the soft cap are handled
 // at run time; bias and mask are not supported (the host never sends them
 // here). H need only be a multiple of 8 up to FA_HEAD_DIM.
@@ -71,6 +91,17 @@ namespace {
 
 constexpr int kRows = FA_DECODE_ROWS;
 constexpr bool kPaged = FA_DECODE_PAGED;
+constexpr bool kQuant = FA_KV_QUANT != 0;
+template <bool kCond, class A, class B>
+struct FaIf {
+  using type = A;
+};
+template <class A, class B>
+struct FaIf<false, A, B> {
+  using type = B;
+};
+// A K or V element as the kernel reads it from memory.
+using KvElem = typename FaIf<kQuant, unsigned char, unsigned short>::type;
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
 // Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
@@ -108,7 +139,7 @@ constexpr int kHalves = kRows > 8 ? 2 : 1;
 constexpr int kRowChunks = fa_decode_row_chunks(kH);
 constexpr bool kSwizzled = kRowChunks == kChunks;
 constexpr int kTileBytes = fa_decode_tile_bytes(kH);  // of K, and again of V
-constexpr int kStages = fa_decode_stages(80, kRows, kH, kFaCc);
+constexpr int kStages = fa_decode_stages(80, kRows, kH, kFaCc, kQuant);
 // A warp's 16-byte copies of a tile, of K and again of V.
 constexpr int kCopies = (kTileKeys * kChunks + 32 * kRowGroups - 1) / (32 * kRowGroups);
 #else
@@ -129,6 +160,9 @@ constexpr int kMergeLoads = FA_KERNEL_SM >= 80 ? 16 : kRows == 1 ? 4 : 8;
 
 struct alignas(16) Chunk {
   unsigned w[4];
+};
+struct alignas(8) Word2 {
+  unsigned w[2];
 };
 
 // (m, l) of two online softmaxes over disjoint keys -> the merged one; the
@@ -153,18 +187,30 @@ struct DecodeBlock {
   FaUnits units;
   // Head kvh of key 0 (of page 0 where paged); a page's keys key_stride
   // apart.
-  const unsigned short* k_head;
-  const unsigned short* v_head;
+  const KvElem* k_head;
+  const KvElem* v_head;
   long long key_stride;
   const int* pages;  // paged: sequence b's row of the block table
   int page_shift, page_count;
   long long page_stride;
+  // A quantized cache: the scales of head kvh (of sequence b, or of page 0).
+  const float* k_scale;
+  const float* v_scale;
 
+  // The page that holds key j (paged).
+  __device__ __forceinline__ int page_of(int j) const {
+    return min(max(__ldg(pages + (j >> page_shift)), 0), page_count - 1);
+  }
   // The offset (elements) of key j's row from k_head / v_head.
   __device__ __forceinline__ long long key_at(int j) const {
     if (!kPaged) return j * key_stride;
-    const int page = min(max(__ldg(pages + (j >> page_shift)), 0), page_count - 1);
-    return page * page_stride + (j & ((1 << page_shift) - 1)) * key_stride;
+    return page_of(j) * page_stride + (j & ((1 << page_shift) - 1)) * key_stride;
+  }
+  // The offset of key j's scale from k_scale or v_scale, by that scale's
+  // strides (FaKvScales).
+  __device__ __forceinline__ long long scale_at(int j, const long long (&stride)[3]) const {
+    if (!kPaged) return j * stride[1];
+    return page_of(j) * stride[0] + (j & ((1 << page_shift) - 1)) * stride[1];
   }
 
   // Row r's offset (elements) in q / out, and in lse.
@@ -213,6 +259,327 @@ __device__ __forceinline__ void group_sync(int group) {
   }
 }
 
+#if FA_KV_QUANT
+// --- a quantized cache (see the top of the file) ---
+constexpr int kQRowChunks = kH / 16;  // 16-byte chunks of a key's 8-bit row
+// Rows of whole 128-byte lines are XOR-swizzled by 32-byte pairs of chunks:
+// the four rows one quarter of Q K^T's lanes reads at once, and the four one
+// quarter of P V's reads, then lie in distinct banks.
+constexpr bool kQSwizzled = kQRowChunks == 8 || kQRowChunks == 16;
+constexpr int kQTileBytes = kTileKeys * kH;  // of K, and again of V
+constexpr int kQStageBytes = fa_decode_stage_bytes(kH, 1);
+constexpr int kQCopies = (kTileKeys * kQRowChunks + 32 * kRowGroups - 1) / (32 * kRowGroups);
+constexpr int kQSpan = kH / 8;  // bytes of a V row one lane reads: one per column block
+// The units the 8-bit bits stand in (float8: read as float16 they are value
+// / 256, as bfloat16 value * 2^-120; P takes 2^112 of that back, the output
+// the other 2^8).
+constexpr float kKUnit = FA_KV_QUANT == FA_F8E4M3 ? 256.f : 1.f;
+constexpr float kVUnit = FA_KV_QUANT == FA_F8E4M3 ? 0x1p112f : 1.f;
+constexpr float kOUnit = FA_KV_QUANT == FA_F8E4M3 ? 256.f : 1.f;
+static_assert(kH % 32 == 0 && kQStageBytes * kStages * kKeyGroups <= kSmemBytes,
+              "the quantized rings fit the tile's shared memory");
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// Byte offset of byte `at` of key j's row in a stage's K or V tile.
+__device__ __forceinline__ int qring_at(int j, int at) {
+  if (!kQSwizzled) return j * kH + at;
+  const int turn = 2 * (((j >> 2) + 2 * (j & 1)) & 3);
+  return j * kH + ((((at >> 4) ^ turn)) << 4) + (at & 15);
+}
+
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
+// Four 8-bit keys' values of one row (bytes 0..3 of w) as the B fragment
+// halves of Q K^T: b0 = float16x2 of values 0, 1, b1 of 2, 3.
+__device__ __forceinline__ void key_pairs(unsigned w, unsigned& b0, unsigned& b1) {
+#if FA_KV_QUANT == FA_I8
+  // Offset binary (byte + 128) under 0x64: 1024 + 128 + value, exactly.
+  const unsigned x = w ^ 0x80808080u;
+  const unsigned bias = 0x64806480u;  // 1152, 1152
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(b0) : "r"(prmt(x, 0x64646464u, 0x4140)), "r"(bias));
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(b1) : "r"(prmt(x, 0x64646464u, 0x4342)), "r"(bias));
+#else
+  // e4m3 (s eeee mmm) into float16 (s eeeee mmmmmmmmmm) one exponent bit
+  // lower: value / 256, subnormals included.
+  const unsigned r0 = prmt(w, w, 0x1000), r1 = prmt(w, w, 0x3020);
+  b0 = ((r0 >> 1) & 0x3f803f80u) | (r0 & 0x80008000u);
+  b1 = ((r1 >> 1) & 0x3f803f80u) | (r1 & 0x80008000u);
+#endif
+}
+
+// Byte e of two rows' words (wa, wb: int8 already in offset binary) as a B
+// fragment half of P V: bfloat16x2 of row a's, row b's value.
+template <int e>
+__device__ __forceinline__ unsigned value_pair(unsigned wa, unsigned wb) {
+#if FA_KV_QUANT == FA_I8
+  // 0x4B0000xx is 2^23 + xx in float32; the difference is exact in bfloat16.
+  const float fa = __uint_as_float(prmt(wa, 0x4B000000u, 0x7540 | e)) - 8388736.f;
+  const float fb = __uint_as_float(prmt(wb, 0x4B000000u, 0x7540 | e)) - 8388736.f;
+  return prmt(__float_as_uint(fa), __float_as_uint(fb), 0x7632);
+#else
+  // e4m3 into bfloat16 (s eeeeeeee mmmmmmm) at the bottom of its exponent:
+  // value * 2^-120, subnormals included.
+  const unsigned r = prmt(wa, wb, ((4 + e) << 12) | ((4 + e) << 8) | (e << 4) | e);
+  return ((r >> 4) & 0x07f007f0u) | (r & 0x80008000u);
+#endif
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                        unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The kQSpan bytes of key j's row from byte `at` (4-byte aligned), as words.
+__device__ __forceinline__ void load_span(const unsigned char* tile, int j, int at,
+                                          unsigned (&w)[kQSpan / 4]) {
+  if constexpr (kQSpan % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < kQSpan / 16; ++c) {
+      const Chunk x = *reinterpret_cast<const Chunk*>(tile + qring_at(j, at + 16 * c));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[4 * c + i] = x.w[i];
+    }
+  } else if constexpr (kQSpan % 8 == 0) {
+#pragma unroll
+    for (int c = 0; c < kQSpan / 8; ++c) {
+      const Word2 x = *reinterpret_cast<const Word2*>(tile + qring_at(j, at + 8 * c));
+      w[2 * c] = x.w[0], w[2 * c + 1] = x.w[1];
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < kQSpan / 4; ++c) {
+      w[c] = *reinterpret_cast<const unsigned*>(tile + qring_at(j, at + 4 * c));
+    }
+  }
+}
+
+// Walks the block's keys of a quantized cache on tensor cores (see the top
+// of the file); leaves the same as the 16-bit walk.
+__device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeBlock& d,
+                                          float (*s_o)[kRows][kH], float (*s_m)[kRows],
+                                          float (*s_l)[kRows], Chunk* smem) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / kRowGroups, rg = warp % kRowGroups;
+  // C fragment: row g of the block; the lane's B-fragment column gl.
+  const int gl = lane / 4, g = 16 * rg + gl, t4 = lane % 4;
+
+  // Q in float16 as the A operand, its columns in the order the key rows are
+  // read: step kk's a[2 c + half] holds h = 8 (t4 + 4 (kk / 2)) + 4 (kk % 2)
+  // + 2 c + {0, 1} of row g + 8 half.
+  float qf[kH / 16][4][2];
+  float big = 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    const auto* q_row = static_cast<const unsigned short*>(p.q) + d.q_at(p, r);
+#pragma unroll
+    for (int kk = 0; kk < kH / 16; ++kk) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int h = 8 * (t4 + 4 * (kk / 2)) + 4 * (kk % 2) + 2 * c;
+        const unsigned two = half < kHalves && r < d.rows && h < p.H
+                                 ? *reinterpret_cast<const unsigned*>(q_row + h)
+                                 : 0u;
+#if FA_DTYPE == FA_BF16
+        qf[kk][2 * c + half][0] = __uint_as_float(two << 16);
+        qf[kk][2 * c + half][1] = __uint_as_float(two & 0xffff0000u);
+#else
+        qf[kk][2 * c + half][0] = fa_f16_to_f32(two & 0xffffu);
+        qf[kk][2 * c + half][1] = fa_f16_to_f32(two >> 16);
+#endif
+        big = fmaxf(big, fmaxf(fabsf(qf[kk][2 * c + half][0]), fabsf(qf[kk][2 * c + half][1])));
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, off));
+  // sigma = 2^(13 - floor(log2 big)): the largest |q| in [2^13, 2^14).
+  const int e = big > 0.f ? ((__float_as_int(big) >> 23) & 0xff) - 127 : 0;
+  const int se = min(max(13 - e, -126), 126);
+  const float sigma = __int_as_float((se + 127) << 23);
+  const float k_unit = kKUnit * __int_as_float((127 - se) << 23);
+  unsigned qa[kH / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kH / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) qa[kk][i] = fa_pack_f16(qf[kk][i][0] * sigma, qf[kk][i][1] * sigma);
+  }
+
+  const int tiles = d.k1 > d.k0 ? (d.k1 - d.k0 + kTileKeys - 1) / kTileKeys : 0;
+  const int my_tiles = tiles > group ? (tiles - group + kKeyGroups - 1) / kKeyGroups : 0;
+  unsigned char* ring_p = reinterpret_cast<unsigned char*>(smem) + group * kStages * kQStageBytes;
+  const unsigned ring = fa_smem_u32(ring_p);
+  auto tile_key = [&](int n) { return d.k0 + (n * kKeyGroups + group) * kTileKeys; };
+  // Copies this warp's part of tile n (and, warp rg 0, its scales) into ring
+  // stage n % kStages, one commit group per call, empty past the last tile.
+  auto issue = [&](int n) {
+    if (n < my_tiles) {
+      const int key0 = tile_key(n);
+      const unsigned stage = ring + (n % kStages) * kQStageBytes;
+      const int turn = kPaged ? ((key0 >> d.page_shift) + 1) << d.page_shift : d.k1;
+      const long long first = kPaged ? d.key_at(key0) : 0;
+      const long long second = kPaged && turn < d.k1 ? d.key_at(turn) : 0;
+#pragma unroll
+      for (int i = 0; i < kQCopies; ++i) {
+        const int at = 32 * (rg + kRowGroups * i) + lane, key = at / kQRowChunks,
+                  c = at % kQRowChunks;
+        if (kQCopies * 32 * kRowGroups > kTileKeys * kQRowChunks && key >= kTileKeys) break;
+        const bool valid = key0 + key < d.k1 && 16 * c < p.H;
+        const long long row = !kPaged         ? (key0 + key) * d.key_stride
+                              : key0 + key < turn ? first + key * d.key_stride
+                                                  : second + (key0 + key - turn) * d.key_stride;
+        const long long src = valid ? row + 16 * c : 0;
+        const unsigned dst = stage + qring_at(key, 16 * c);
+        fa_cp_async16(dst, d.k_head + src, valid);
+        fa_cp_async16(dst + kQTileBytes, d.v_head + src, valid);
+      }
+      if (rg == 0) {  // lanes 0..15: the keys' K scales; 16..31: their V scales
+        const int key = lane % 16;
+        const bool valid = key0 + key < d.k1;
+        const float* src =
+            lane < 16 ? d.k_scale + (valid ? d.scale_at(key0 + key, p.scales.k_stride) : 0)
+                      : d.v_scale + (valid ? d.scale_at(key0 + key, p.scales.v_stride) : 0);
+        cp_async4(stage + 2 * kQTileBytes + 4 * lane, src, valid);
+      }
+    }
+    fa_cp_async_commit();
+  };
+#pragma unroll
+  for (int n = 0; n < kStages - 1; ++n) issue(n);
+
+  // The lane's keys in Q K^T's B fragments (column gl of key blocks 0, 1),
+  // so that its P fragment holds rows 4 t4 .. 4 t4 + 3 of the tile.
+  const int k_row = 4 * (gl >> 1) + (gl & 1);
+  float o[kH / 8][4] = {};
+  float m[kHalves], l[kHalves];
+#pragma unroll
+  for (int half = 0; half < kHalves; ++half) m[half] = FA_NEG_INF, l[half] = 0.f;
+  for (int n = 0; n < my_tiles; ++n) {
+    issue(n + kStages - 1);
+    fa_cp_async_wait<kStages - 1>();
+    group_sync(group);
+    const unsigned char* kt = ring_p + (n % kStages) * kQStageBytes;
+    const unsigned char* vt = kt + kQTileBytes;
+    const float* scales = reinterpret_cast<const float*>(kt + 2 * kQTileBytes);
+    float s[2][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+      for (int u = 0; u < kH / 32; ++u) {
+        const Word2 w = *reinterpret_cast<const Word2*>(kt + qring_at(k_row + 2 * kb,
+                                                                      8 * (t4 + 4 * u)));
+        unsigned b0, b1;
+        key_pairs(w.w[0], b0, b1);
+        mma_f16(s[kb], qa[2 * u], b0, b1);
+        key_pairs(w.w[1], b0, b1);
+        mma_f16(s[kb], qa[2 * u + 1], b0, b1);
+      }
+    }
+    const Chunk ks = *reinterpret_cast<const Chunk*>(scales + 4 * t4);
+    const Chunk vs = *reinterpret_cast<const Chunk*>(scales + kTileKeys + 4 * t4);
+    float k_mult[4], v_mult[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      k_mult[i] = __uint_as_float(ks.w[i]) * k_unit;
+      v_mult[i] = __uint_as_float(vs.w[i]) * kVUnit;
+    }
+    const int key0 = tile_key(n);
+    const bool edge = d.per_row || key0 + kTileKeys > d.k1;
+    // x[half][i]: row g + 8 half, key key0 + 4 t4 + i.
+    float x[kHalves][4];
+    unsigned pa[4] = {0u, 0u, 0u, 0u};  // P (times the values' scales) as the A operand of P V
+#pragma unroll
+    for (int half = 0; half < kHalves; ++half) {
+      float mx = m[half];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[half][i] = d.logit(p, s[i / 2][2 * half + i % 2] * k_mult[i], g + 8 * half,
+                             key0 + 4 * t4 + i, edge);
+        mx = fmaxf(mx, x[half][i]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mu = mx == FA_NEG_INF ? 0.f : mx;
+      const float alpha = fa_weight(m[half], mu, d.units.to_log2);
+      m[half] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[half][i] = fa_weight(x[half][i], mu, d.units.to_log2);
+        sum += x[half][i];
+      }
+      l[half] = l[half] * alpha + sum;
+#pragma unroll
+      for (int nt = 0; nt < kH / 8; ++nt) {
+        o[nt][2 * half] *= alpha;
+        o[nt][2 * half + 1] *= alpha;
+      }
+      pa[half] = fa_pack_bf16(x[half][0] * v_mult[0], x[half][1] * v_mult[1]);
+      pa[2 + half] = fa_pack_bf16(x[half][2] * v_mult[2], x[half][3] * v_mult[3]);
+    }
+    unsigned vw[4][kQSpan / 4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) load_span(vt, 4 * t4 + i, gl * kQSpan, vw[i]);
+#pragma unroll
+    for (int w = 0; w < kQSpan / 4; ++w) {
+#if FA_KV_QUANT == FA_I8
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vw[i][w] ^= 0x80808080u;
+#endif
+      unsigned b[4][2];
+      b[0][0] = value_pair<0>(vw[0][w], vw[1][w]), b[0][1] = value_pair<0>(vw[2][w], vw[3][w]);
+      b[1][0] = value_pair<1>(vw[0][w], vw[1][w]), b[1][1] = value_pair<1>(vw[2][w], vw[3][w]);
+      b[2][0] = value_pair<2>(vw[0][w], vw[1][w]), b[2][1] = value_pair<2>(vw[2][w], vw[3][w]);
+      b[3][0] = value_pair<3>(vw[0][w], vw[1][w]), b[3][1] = value_pair<3>(vw[2][w], vw[3][w]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mma_bf16(o[4 * w + e], pa, b[e][0], b[e][1]);
+    }
+    group_sync(group);  // every lane's reads of this stage before it is refilled
+  }
+  fa_cp_async_wait<0>();
+
+#pragma unroll
+  for (int half = 0; half < kHalves; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+  }
+  __syncthreads();  // s_o lies over the rings
+#pragma unroll
+  for (int half = 0; half < kHalves; ++half) {
+    const int r = g + 8 * half;
+    if (r < kRows) {
+      // Column 2 t4 (+ 1) of column block nt is h = (2 t4) kQSpan + nt.
+#pragma unroll
+      for (int nt = 0; nt < kH / 8; ++nt) {
+        s_o[group][r][2 * t4 * kQSpan + nt] = o[nt][2 * half] * kOUnit;
+        s_o[group][r][(2 * t4 + 1) * kQSpan + nt] = o[nt][2 * half + 1] * kOUnit;
+      }
+      if (t4 == 0) s_m[group][r] = m[half], s_l[group][r] = l[half];
+    }
+  }
+}
+#else
 // Walks the block's keys on tensor cores (see the top of the file) and leaves
 // each key group's unnormalized O rows in s_o[group], its row maxima (kept
 // units, FaUnits) and sums in s_m[group] and s_l[group].
@@ -377,6 +744,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     }
   }
 }
+#endif  // FA_KV_QUANT
 #else
 // Eight FA_DTYPE elements to float.
 __device__ __forceinline__ void unpack(const Chunk& c, float (&f)[8]) {
@@ -637,8 +1005,13 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     d.k1 = min(s_lean.hi, s_lean.lo + s1 * kBc);
     d.pages = kPaged ? p.paged.block_table + (long long)d.b * p.paged.max_pages : nullptr;
     const long long kv_at = fa_at(p.kv_stride, kPaged ? 0 : d.b, 0, d.kvh);
-    d.k_head = static_cast<const unsigned short*>(p.k) + kv_at;
-    d.v_head = static_cast<const unsigned short*>(p.v) + kv_at;
+    d.k_head = static_cast<const KvElem*>(p.k) + kv_at;
+    d.v_head = static_cast<const KvElem*>(p.v) + kv_at;
+    if (kQuant) {
+      const int sb = kPaged ? 0 : d.b;
+      d.k_scale = p.scales.k + sb * p.scales.k_stride[0] + d.kvh * p.scales.k_stride[2];
+      d.v_scale = p.scales.v + sb * p.scales.v_stride[0] + d.kvh * p.scales.v_stride[2];
+    }
 
     walk_keys(p, d, s_o, s_m, s_l, smem);
     __syncthreads();

@@ -137,26 +137,37 @@ FA_TILE_FN int fa_decode_row_chunks(int h) { return h / 8 % 8 == 0 ? h / 8 : h /
 FA_TILE_FN int fa_decode_tile_bytes(int h) {
   return kFaDecodeTileKeys * fa_decode_row_chunks(h) * 16;
 }
-FA_TILE_FN int fa_decode_ring_bytes(int warps, int h) {
-  return warps * kFaDecodeStages * 2 * fa_decode_tile_bytes(h);
+// A quantized cache (int8 or float8 values, float32 scales): a stage holds
+// the tile's K and V rows of h bytes (unpadded: the swizzle differs,
+// attention_decode.cu) and its 16 K then 16 V scales; twice the stages of a
+// 16-bit ring, so the bytes in flight of K and V stay the same (a warp's
+// walk at B = 1 is latency-bound: half the bytes in flight would be half
+// the bandwidth).
+FA_TILE_FN int fa_decode_stage_bytes(int h, int quant) {
+  return quant ? 2 * kFaDecodeTileKeys * (h + 4) : 2 * fa_decode_tile_bytes(h);
 }
-FA_TILE_FN int fa_decode_warps(int build, int h, int cc) {
+FA_TILE_FN int fa_decode_warp_stages(int quant) { return quant ? 2 * kFaDecodeStages : kFaDecodeStages; }
+FA_TILE_FN int fa_decode_ring_bytes(int warps, int h, int quant) {
+  return warps * fa_decode_warp_stages(quant) * fa_decode_stage_bytes(h, quant);
+}
+FA_TILE_FN int fa_decode_warps(int build, int h, int cc, int quant) {
   // Shared memory a block may take, less its static arrays (8 KB).
   const int budget = (cc == 80 || cc == 87 ? 163 : cc >= 90 ? 227 : 99) * 1024 - 8 * 1024;
-  return build == 75                                  ? 4
-       : fa_decode_ring_bytes(8, h) <= budget ? 8
-       : fa_decode_ring_bytes(4, h) <= budget ? 4
-                                              : 2;
+  return build == 75                                         ? 4
+       : fa_decode_ring_bytes(8, h, quant) <= budget ? 8
+       : fa_decode_ring_bytes(4, h, quant) <= budget ? 4
+                                                     : 2;
 }
 FA_TILE_FN int fa_decode_row_groups(int build, int rows) {
   return build == 80 && rows > 16 ? rows / 16 : 1;
 }
-FA_TILE_FN int fa_decode_key_groups(int build, int rows, int h, int cc) {
-  const int warps = fa_decode_warps(build, h, cc) / fa_decode_row_groups(build, rows);
+FA_TILE_FN int fa_decode_key_groups(int build, int rows, int h, int cc, int quant) {
+  const int warps = fa_decode_warps(build, h, cc, quant) / fa_decode_row_groups(build, rows);
   return warps > 1 ? warps : 1;
 }
-FA_TILE_FN int fa_decode_stages(int build, int rows, int h, int cc) {
-  return kFaDecodeStages * fa_decode_warps(build, h, cc) / fa_decode_key_groups(build, rows, h, cc);
+FA_TILE_FN int fa_decode_stages(int build, int rows, int h, int cc, int quant) {
+  return fa_decode_warp_stages(quant) * fa_decode_warps(build, h, cc, quant) /
+         fa_decode_key_groups(build, rows, h, cc, quant);
 }
 // Build 75: lanes sharing one key (each holds a 16-byte chunk of its rows),
 // and the load steps issued ahead into registers, by rows per block (more
@@ -318,15 +329,16 @@ FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int cc) {
 }
 
 // The tile of the decode kernel, build 75 or 80, at `rows` rows per block
-// (fa_decode_rows) and kernel head dim h (a multiple of 32), on `cc`. Its
-// dynamic shared memory holds the K/V rings and, once the walk is done, the
-// key groups' O rows and the cluster's slots.
-FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int cc) {
-  const int groups = fa_decode_key_groups(build, rows, h, cc);
+// (fa_decode_rows) and kernel head dim h (a multiple of 32), on `cc`;
+// `quant` (build 80): the cache is quantized. Its dynamic shared memory
+// holds the K/V rings and, once the walk is done, the key groups' O rows and
+// the cluster's slots.
+FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int cc, int quant) {
+  const int groups = fa_decode_key_groups(build, rows, h, cc, quant);
   const int keys = build == 80 ? groups * kFaDecodeTileKeys
                                : groups * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
-  const int ring = build == 80 ? groups * fa_decode_stages(build, rows, h, cc) * 2 *
-                                     fa_decode_tile_bytes(h)
+  const int ring = build == 80 ? groups * fa_decode_stages(build, rows, h, cc, quant) *
+                                     fa_decode_stage_bytes(h, quant)
                                : 0;
   const int after = groups * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, cc);
   return FaTile{rows, keys, 32 * groups * fa_decode_row_groups(build, rows),
