@@ -1,7 +1,9 @@
 """A small workload for compute-sanitizer: the forward and the fused backward
 of each CUDA path on a few odd shapes that touch every edge of the kernels
 (T and S off the tiles, query/key lengths, causal and window rules, GQA, bias,
-mask and soft cap, the decode kernel's row groups).
+mask and soft cap, the decode kernel's row groups), and the decode kernel's
+paged and quantized builds (``decode_attention`` over shuffled pages and
+int8 and float8 caches, ragged lengths).
 
 Run under the sanitizer with XLA's platform allocator, so that every buffer is
 its own cudaMalloc and an access past one is caught rather than landing in the
@@ -23,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastattn_jax import explain, fast_attention
+from fastattn_jax import decode_attention, explain, fast_attention
+from fastattn_jax.decode import quantize
 
 #: (B, T, S, N, K, H, AttentionConfig rules, bias, mask, lengths)
 CASES = (
@@ -69,6 +72,43 @@ def run_case(path, case, dtype) -> str:
   return f"B={B} T={T} S={S} N={N} K={K} H={H} {opts} finite={finite}"
 
 
+#: (B, T, S, N, K, H, page_size or None, cache dtype) of decode_attention.
+DECODE_CASES = (
+    (2, 1, 4099, 8, 2, 128, None, "int8"),
+    (3, 2, 1000, 16, 2, 64, 16, "int8"),
+    (2, 4, 777, 8, 1, 96, 64, "float8_e4m3fn"),
+    (2, 1, 300, 4, 4, 256, None, "float8_e4m3fn"),
+    (2, 3, 2100, 8, 2, 128, 16, None),
+)
+
+
+def run_decode_case(path, case, dtype) -> str:
+  B, T, S, N, K, H, page_size, cache = case
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((B, S, K, H)), dtype) for _ in range(2))
+  lengths = jnp.asarray([S, S // 3 + 1, T][:B], jnp.int32)
+  scales = {}
+  if cache is not None:
+    unit = None if cache == "int8" else jnp.full((1, 1, K), 0.01, jnp.float32)
+    (k, ks), (v, vs) = quantize(k, jnp.dtype(cache), unit), quantize(v, jnp.dtype(cache), unit)
+    scales = {"k_scale": ks, "v_scale": vs}
+  table = None
+  if page_size is not None:
+    S_pages = -(-S // page_size) * page_size
+    pad = ((0, 0), (0, S_pages - S), (0, 0), (0, 0))
+    pages = B * S_pages // page_size
+    perm = rng.permutation(pages)
+    pool = lambda x: jnp.pad(x, pad[:x.ndim]).reshape(pages, page_size, *x.shape[2:])[perm]
+    table = jnp.asarray(np.argsort(perm).reshape(B, -1), jnp.int32)
+    k, v = pool(k), pool(v)
+    scales = {name: pool(x) if x.shape[0] == B else x for name, x in scales.items()}
+  out = jax.jit(lambda q: decode_attention(q, k, v, lengths, block_table=table,
+                                           implementation=path, **scales))(q)
+  finite = bool(jnp.all(jnp.isfinite(out)))
+  return f"decode B={B} T={T} S={S} N={N} K={K} H={H} page={page_size} {cache} finite={finite}"
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--paths", default="cuda_sm90,cuda_sm80,cuda_sm75,cuda_sm70")
@@ -77,6 +117,8 @@ def main(argv=None) -> None:
   for path in args.paths.split(","):
     for case in CASES:
       print(path, run_case(path, case, jnp.dtype(args.dtype)), flush=True)
+    for case in DECODE_CASES:
+      print(path, run_decode_case(path, case, jnp.dtype(args.dtype)), flush=True)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
   any other kernel gets them gathered into one (B, S, K, H) cache. With
   ``k_scale`` and ``v_scale``, k and v are a quantized cache: the decode
   kernel reads it in place where the plan takes it (``reads_quantized``),
-  any other kernel gets it dequantized to q's dtype first.
+  any other kernel gets it dequantized to the plan's operand dtype first.
   """
   _configured()
   B, T, N, H = q.shape
@@ -228,7 +228,7 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
   in_place = block_table is not None and reads_pages(p)
   quantized = k_scale is not None and reads_quantized(p)
   k, v = plain_kv(k, v, None if in_place else block_table, None if quantized else k_scale,
-                  None if quantized else v_scale, q.dtype)
+                  None if quantized else v_scale, jnp.dtype(_DTYPE_NAMES[p["operand_dtype"]]))
   if not in_place:
     block_table = None
   if not quantized:

@@ -43,20 +43,25 @@ def _dequantized64(values, scale):
 
 def _check(q, kq, vq, ks, vs, lengths, dtype, got=None, **opts):
   """The path under test (or its result `got`) against the float64 definition
-  over the dequantized cache, by the suite's acceptance rule (the xla path
-  over the cache dequantized to the computed dtype)."""
+  over the dequantized cache, by the suite's acceptance rule: the framework's
+  own error is the xla path's over the cache dequantized to query's dtype or
+  to the dtype the path computes in, whichever errs more (a path that does
+  not read the cache in place dequantizes it to its operand dtype; the CUDA
+  decode kernel reads the 8-bit values exactly)."""
   fast, fast_lse = got or decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs,
                                            implementation=tu.IMPL, return_residual=True, **opts)
   computed = tu.computed_dtype(tu.IMPL, dtype)
-  xla, xla_lse = decode_attention(q.astype(tu.DTYPES[computed]), kq, vq, lengths, k_scale=ks,
-                                  v_scale=vs, implementation="xla", return_residual=True,
-                                  **opts)
   k64, v64 = _dequantized64(kq, ks), _dequantized64(vq, vs)
   ref, ref_lse = _end_aligned_reference(q, k64, v64, lengths, opts.get("local_window_size"))
+  xla = [decode_attention(q.astype(tu.DTYPES[d]), kq, vq, lengths, k_scale=ks, v_scale=vs,
+                          implementation="xla", return_residual=True, **opts)
+         for d in {dtype, computed}]
+  xla_out = max((x[0] for x in xla), key=lambda x: tu.max_err(x, ref))
+  xla_lse = max((x[1] for x in xla), key=lambda x: tu.max_err(x, ref_lse))
   atol = max(tu.OUT_ATOL[dtype], tu.OUT_ATOL[computed])
   xla_max = max(tu.XLA_MAX_ERR[dtype], 2 * tu.XLA_MAX_ERR[computed])
-  tu.assert_accepted(fast, xla.astype(q.dtype), ref, atol, xla_max, "out")
-  tu.assert_accepted(fast_lse, xla_lse, ref_lse, tu.LSE_ATOL[computed],
+  tu.assert_accepted(fast, xla_out.astype(q.dtype), ref, atol, xla_max, "out")
+  tu.assert_accepted(fast_lse, xla_lse, ref_lse, max(tu.LSE_ATOL[dtype], tu.LSE_ATOL[computed]),
                      2 * tu.XLA_MAX_ERR[computed], "lse")
   assert not np.asarray(fast)[~np.isfinite(ref_lse)].any(), "rows that see nothing must be 0"
 
@@ -217,9 +222,11 @@ def test_quantized_gradients_reach_query_and_scales():
 
   got = jax.grad(loss(tu.IMPL), argnums=(0, 1, 2))(q, ks, vs)
   want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, ks, vs)
+  # A path computing in float16 rounds q and the dequantized cache to it.
+  rtol = 1e-4 if tu.computed_dtype(tu.IMPL, "float32") == "float32" else 1e-2
   for name, x, y in zip(("dq", "dk_scale", "dv_scale"), got, want):
     scale = float(jnp.max(jnp.abs(y)))
-    assert tu.max_err(x, np.asarray(y, np.float64)) <= 1e-4 * scale + 1e-6, name
+    assert tu.max_err(x, np.asarray(y, np.float64)) <= rtol * scale + 1e-6, name
 
 
 def test_quantized_outputs_poisoned():

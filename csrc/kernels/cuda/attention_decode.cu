@@ -141,7 +141,9 @@ constexpr bool kSwizzled = kRowChunks == kChunks;
 constexpr int kTileBytes = fa_decode_tile_bytes(kH);  // of K, and again of V
 constexpr int kStages = fa_decode_stages(80, kRows, kH, kFaCc, kQuant);
 // A warp's 16-byte copies of a tile, of K and again of V.
+#if !FA_KV_QUANT
 constexpr int kCopies = (kTileKeys * kChunks + 32 * kRowGroups - 1) / (32 * kRowGroups);
+#endif
 #else
 constexpr int kLanesPerKey = fa_decode_lanes_per_key(kH);
 constexpr int kKeysPerWarp = 32 / kLanesPerKey;
@@ -244,10 +246,12 @@ struct DecodeBlock {
 };
 
 #if FA_KERNEL_SM >= 80
+#if !FA_KV_QUANT
 // Byte offset of chunk c of key j's row in a ring stage.
 __device__ __forceinline__ unsigned ring_at(int j, int c) {
   return (j * kRowChunks + (kSwizzled ? c ^ (j % 8) : c)) * 16;
 }
+#endif
 
 // The warps of key group `group` wait for one another (named barrier 1 +
 // group; one warp: __syncwarp).
@@ -270,12 +274,8 @@ constexpr int kQTileBytes = kTileKeys * kH;  // of K, and again of V
 constexpr int kQStageBytes = fa_decode_stage_bytes(kH, 1);
 constexpr int kQCopies = (kTileKeys * kQRowChunks + 32 * kRowGroups - 1) / (32 * kRowGroups);
 constexpr int kQSpan = kH / 8;  // bytes of a V row one lane reads: one per column block
-// The units the 8-bit bits stand in (float8: read as float16 they are value
-// / 256, as bfloat16 value * 2^-120; P takes 2^112 of that back, the output
-// the other 2^8).
-constexpr float kKUnit = FA_KV_QUANT == FA_F8E4M3 ? 256.f : 1.f;
-constexpr float kVUnit = FA_KV_QUANT == FA_F8E4M3 ? 0x1p112f : 1.f;
-constexpr float kOUnit = FA_KV_QUANT == FA_F8E4M3 ? 256.f : 1.f;
+// The unit the 8-bit values' float16 bits stand in (float8: value / 256).
+constexpr float kUnit = FA_KV_QUANT == FA_F8E4M3 ? 256.f : 1.f;
 static_assert(kH % 32 == 0 && kQStageBytes * kStages * kKeyGroups <= kSmemBytes,
               "the quantized rings fit the tile's shared memory");
 
@@ -315,20 +315,22 @@ __device__ __forceinline__ void key_pairs(unsigned w, unsigned& b0, unsigned& b1
 #endif
 }
 
-// Byte e of two rows' words (wa, wb: int8 already in offset binary) as a B
-// fragment half of P V: bfloat16x2 of row a's, row b's value.
+// Bytes e and e + 1 (e even) of two rows' words (wa, wb; int8 already in
+// offset binary) as B fragment halves of P V: lo = float16x2 of row a's,
+// row b's byte e; hi = of byte e + 1 (int8: exactly; float8: value / 256).
 template <int e>
-__device__ __forceinline__ unsigned value_pair(unsigned wa, unsigned wb) {
+__device__ __forceinline__ void value_pairs(unsigned wa, unsigned wb, unsigned& lo,
+                                            unsigned& hi) {
 #if FA_KV_QUANT == FA_I8
-  // 0x4B0000xx is 2^23 + xx in float32; the difference is exact in bfloat16.
-  const float fa = __uint_as_float(prmt(wa, 0x4B000000u, 0x7540 | e)) - 8388736.f;
-  const float fb = __uint_as_float(prmt(wb, 0x4B000000u, 0x7540 | e)) - 8388736.f;
-  return prmt(__float_as_uint(fa), __float_as_uint(fb), 0x7632);
+  const unsigned t = prmt(wa, wb, e == 0 ? 0x5140 : 0x7362);  // a_e, b_e, a_e+1, b_e+1
+  const unsigned bias = 0x64806480u;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(prmt(t, 0x64646464u, 0x4140)), "r"(bias));
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(prmt(t, 0x64646464u, 0x4342)), "r"(bias));
 #else
-  // e4m3 into bfloat16 (s eeeeeeee mmmmmmm) at the bottom of its exponent:
-  // value * 2^-120, subnormals included.
-  const unsigned r = prmt(wa, wb, ((4 + e) << 12) | ((4 + e) << 8) | (e << 4) | e);
-  return ((r >> 4) & 0x07f007f0u) | (r & 0x80008000u);
+  const unsigned r0 = prmt(wa, wb, ((4 + e) << 12) | ((4 + e) << 8) | (e << 4) | e);
+  const unsigned r1 = prmt(wa, wb, ((5 + e) << 12) | ((5 + e) << 8) | ((e + 1) << 4) | (e + 1));
+  lo = ((r0 >> 1) & 0x3f803f80u) | (r0 & 0x80008000u);
+  hi = ((r1 >> 1) & 0x3f803f80u) | (r1 & 0x80008000u);
 #endif
 }
 
@@ -336,15 +338,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], u
                                         unsigned b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                         unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
       "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -418,7 +411,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
   const int e = big > 0.f ? ((__float_as_int(big) >> 23) & 0xff) - 127 : 0;
   const int se = min(max(13 - e, -126), 126);
   const float sigma = __int_as_float((se + 127) << 23);
-  const float k_unit = kKUnit * __int_as_float((127 - se) << 23);
+  const float k_unit = kUnit * __int_as_float((127 - se) << 23);
   unsigned qa[kH / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kH / 16; ++kk) {
@@ -471,8 +464,12 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
   // The lane's keys in Q K^T's B fragments (column gl of key blocks 0, 1),
   // so that its P fragment holds rows 4 t4 .. 4 t4 + 3 of the tile.
   const int k_row = 4 * (gl >> 1) + (gl & 1);
+  // o holds O / 2^v_exp (a power of two at least every value scale seen):
+  // the probabilities times their values' scales over it lie in [0, 1],
+  // float16's range, whatever the scales.
   float o[kH / 8][4] = {};
   float m[kHalves], l[kHalves];
+  int v_exp = 1;  // biased exponent of the power of two
 #pragma unroll
   for (int half = 0; half < kHalves; ++half) m[half] = FA_NEG_INF, l[half] = 0.f;
   for (int n = 0; n < my_tiles; ++n) {
@@ -482,7 +479,9 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     const unsigned char* kt = ring_p + (n % kStages) * kQStageBytes;
     const unsigned char* vt = kt + kQTileBytes;
     const float* scales = reinterpret_cast<const float*>(kt + 2 * kQTileBytes);
-    float s[2][4] = {};
+    // Two accumulators per key block (even and odd k16 steps): half the
+    // dependent chain of mma.
+    float s[2][4] = {}, s_odd[2][4] = {};
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
@@ -493,22 +492,37 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
         key_pairs(w.w[0], b0, b1);
         mma_f16(s[kb], qa[2 * u], b0, b1);
         key_pairs(w.w[1], b0, b1);
-        mma_f16(s[kb], qa[2 * u + 1], b0, b1);
+        mma_f16(s_odd[kb], qa[2 * u + 1], b0, b1);
       }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[kb][i] += s_odd[kb][i];
     }
     const Chunk ks = *reinterpret_cast<const Chunk*>(scales + 4 * t4);
     const Chunk vs = *reinterpret_cast<const Chunk*>(scales + kTileKeys + 4 * t4);
+    // The tile's largest value scale, rounded up to a power of two; v_exp
+    // rises to it (o and the weights below follow).
+    float vs_max = fmaxf(fmaxf(__uint_as_float(vs.w[0]), __uint_as_float(vs.w[1])),
+                         fmaxf(__uint_as_float(vs.w[2]), __uint_as_float(vs.w[3])));
+    vs_max = fmaxf(vs_max, __shfl_xor_sync(0xffffffffu, vs_max, 1));
+    vs_max = fmaxf(vs_max, __shfl_xor_sync(0xffffffffu, vs_max, 2));
+    const int tile_exp = min((__float_as_int(vs_max) >> 23) + 1, 253);
+    // 2^(v_exp - tile_exp); 0 below float32's normals (o is then at most
+    // 2^-126 of what follows).
+    const float v_shift =
+        tile_exp > v_exp ? __int_as_float(max(127 + v_exp - tile_exp, 0) << 23) : 1.f;
+    v_exp = max(v_exp, tile_exp);
+    const float v_unit = __int_as_float((254 - v_exp) << 23);  // 2^-v_exp, unbiased
     float k_mult[4], v_mult[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       k_mult[i] = __uint_as_float(ks.w[i]) * k_unit;
-      v_mult[i] = __uint_as_float(vs.w[i]) * kVUnit;
+      v_mult[i] = __uint_as_float(vs.w[i]) * v_unit;
     }
     const int key0 = tile_key(n);
     const bool edge = d.per_row || key0 + kTileKeys > d.k1;
     // x[half][i]: row g + 8 half, key key0 + 4 t4 + i.
     float x[kHalves][4];
-    unsigned pa[4] = {0u, 0u, 0u, 0u};  // P (times the values' scales) as the A operand of P V
+    unsigned pa[4] = {0u, 0u, 0u, 0u};  // P times v_mult as the A operand of P V
 #pragma unroll
     for (int half = 0; half < kHalves; ++half) {
       float mx = m[half];
@@ -530,13 +544,14 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
         sum += x[half][i];
       }
       l[half] = l[half] * alpha + sum;
+      const float o_alpha = alpha * v_shift;
 #pragma unroll
       for (int nt = 0; nt < kH / 8; ++nt) {
-        o[nt][2 * half] *= alpha;
-        o[nt][2 * half + 1] *= alpha;
+        o[nt][2 * half] *= o_alpha;
+        o[nt][2 * half + 1] *= o_alpha;
       }
-      pa[half] = fa_pack_bf16(x[half][0] * v_mult[0], x[half][1] * v_mult[1]);
-      pa[2 + half] = fa_pack_bf16(x[half][2] * v_mult[2], x[half][3] * v_mult[3]);
+      pa[half] = fa_pack_f16(x[half][0] * v_mult[0], x[half][1] * v_mult[1]);
+      pa[2 + half] = fa_pack_f16(x[half][2] * v_mult[2], x[half][3] * v_mult[3]);
     }
     unsigned vw[4][kQSpan / 4];
 #pragma unroll
@@ -548,12 +563,12 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       for (int i = 0; i < 4; ++i) vw[i][w] ^= 0x80808080u;
 #endif
       unsigned b[4][2];
-      b[0][0] = value_pair<0>(vw[0][w], vw[1][w]), b[0][1] = value_pair<0>(vw[2][w], vw[3][w]);
-      b[1][0] = value_pair<1>(vw[0][w], vw[1][w]), b[1][1] = value_pair<1>(vw[2][w], vw[3][w]);
-      b[2][0] = value_pair<2>(vw[0][w], vw[1][w]), b[2][1] = value_pair<2>(vw[2][w], vw[3][w]);
-      b[3][0] = value_pair<3>(vw[0][w], vw[1][w]), b[3][1] = value_pair<3>(vw[2][w], vw[3][w]);
+      value_pairs<0>(vw[0][w], vw[1][w], b[0][0], b[1][0]);
+      value_pairs<0>(vw[2][w], vw[3][w], b[0][1], b[1][1]);
+      value_pairs<2>(vw[0][w], vw[1][w], b[2][0], b[3][0]);
+      value_pairs<2>(vw[2][w], vw[3][w], b[2][1], b[3][1]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) mma_bf16(o[4 * w + e], pa, b[e][0], b[e][1]);
+      for (int e = 0; e < 4; ++e) mma_f16(o[4 * w + e], pa, b[e][0], b[e][1]);
     }
     group_sync(group);  // every lane's reads of this stage before it is refilled
   }
@@ -565,6 +580,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
     l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
   }
   __syncthreads();  // s_o lies over the rings
+  const float o_unit = kUnit * __int_as_float(v_exp << 23);  // kUnit 2^v_exp, unbiased
 #pragma unroll
   for (int half = 0; half < kHalves; ++half) {
     const int r = g + 8 * half;
@@ -572,8 +588,8 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       // Column 2 t4 (+ 1) of column block nt is h = (2 t4) kQSpan + nt.
 #pragma unroll
       for (int nt = 0; nt < kH / 8; ++nt) {
-        s_o[group][r][2 * t4 * kQSpan + nt] = o[nt][2 * half] * kOUnit;
-        s_o[group][r][(2 * t4 + 1) * kQSpan + nt] = o[nt][2 * half + 1] * kOUnit;
+        s_o[group][r][2 * t4 * kQSpan + nt] = o[nt][2 * half] * o_unit;
+        s_o[group][r][(2 * t4 + 1) * kQSpan + nt] = o[nt][2 * half + 1] * o_unit;
       }
       if (t4 == 0) s_m[group][r] = m[half], s_l[group][r] = l[half];
     }
