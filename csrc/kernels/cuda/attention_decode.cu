@@ -274,9 +274,11 @@ constexpr int kQTileBytes = kTileKeys * kH;  // of K, and again of V
 constexpr int kQStageBytes = fa_decode_stage_bytes(kH, 1);
 constexpr int kQCopies = (kTileKeys * kQRowChunks + 32 * kRowGroups - 1) / (32 * kRowGroups);
 constexpr int kQSpan = kH / 8;  // bytes of a V row one lane reads: one per column block
-// The unit the 8-bit values' float16 bits stand in (float8: value / 256).
-constexpr float kUnit = FA_KV_QUANT == FA_F8E4M3 ? 256.f : 1.f;
-static_assert(kH % 32 == 0 && kQStageBytes * kStages * kKeyGroups <= kSmemBytes,
+// float8 to float16 by cvt (sm_89 and newer), else by its bits, which read
+// as float16 are value / 256: the unit the converted values stand in.
+constexpr bool kCvtF8 = FA_KV_QUANT == FA_F8E4M3 && __CUDA_ARCH__ >= 890;
+constexpr float kUnit = FA_KV_QUANT == FA_F8E4M3 && !kCvtF8 ? 256.f : 1.f;
+static_assert(kH % 32 == 0 && kStages >= 3 && kQStageBytes * kStages * kKeyGroups <= kSmemBytes,
               "the quantized rings fit the tile's shared memory");
 
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
@@ -306,6 +308,9 @@ __device__ __forceinline__ void key_pairs(unsigned w, unsigned& b0, unsigned& b1
   const unsigned bias = 0x64806480u;  // 1152, 1152
   asm("sub.f16x2 %0, %1, %2;" : "=r"(b0) : "r"(prmt(x, 0x64646464u, 0x4140)), "r"(bias));
   asm("sub.f16x2 %0, %1, %2;" : "=r"(b1) : "r"(prmt(x, 0x64646464u, 0x4342)), "r"(bias));
+#elif __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, hi;\n}" : "=r"(b0), "=r"(b1) : "r"(w));
 #else
   // e4m3 (s eeee mmm) into float16 (s eeeee mmmmmmmmmm) one exponent bit
   // lower: value / 256, subnormals included.
@@ -326,6 +331,10 @@ __device__ __forceinline__ void value_pairs(unsigned wa, unsigned wb, unsigned& 
   const unsigned bias = 0x64806480u;
   asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(prmt(t, 0x64646464u, 0x4140)), "r"(bias));
   asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(prmt(t, 0x64646464u, 0x4342)), "r"(bias));
+#elif __CUDA_ARCH__ >= 890
+  const unsigned t = prmt(wa, wb, e == 0 ? 0x5140 : 0x7362);  // a_e, b_e, a_e+1, b_e+1
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, hi;\n}" : "=r"(lo), "=r"(hi) : "r"(t));
 #else
   const unsigned r0 = prmt(wa, wb, ((4 + e) << 12) | ((4 + e) << 8) | (e << 4) | e);
   const unsigned r1 = prmt(wa, wb, ((5 + e) << 12) | ((5 + e) << 8) | ((e + 1) << 4) | (e + 1));
@@ -472,18 +481,15 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
   int v_exp = 1;  // biased exponent of the power of two
 #pragma unroll
   for (int half = 0; half < kHalves; ++half) m[half] = FA_NEG_INF, l[half] = 0.f;
-  for (int n = 0; n < my_tiles; ++n) {
-    issue(n + kStages - 1);
-    fa_cp_async_wait<kStages - 1>();
-    group_sync(group);
-    const unsigned char* kt = ring_p + (n % kStages) * kQStageBytes;
-    const unsigned char* vt = kt + kQTileBytes;
-    const float* scales = reinterpret_cast<const float*>(kt + 2 * kQTileBytes);
-    // Two accumulators per key block (even and odd k16 steps): half the
-    // dependent chain of mma.
-    float s[2][4] = {}, s_odd[2][4] = {};
+  // Q K^T of the tile in ring stage `kt` into s (raw products; two
+  // accumulators per key block, even and odd k16 steps: half the dependent
+  // chain of mma).
+  auto qk = [&](const unsigned char* kt, float (&s)[2][4]) {
+    float s_odd[2][4] = {};
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[kb][i] = 0.f;
 #pragma unroll
       for (int u = 0; u < kH / 32; ++u) {
         const Word2 w = *reinterpret_cast<const Word2*>(kt + qring_at(k_row + 2 * kb,
@@ -497,6 +503,21 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[kb][i] += s_odd[kb][i];
     }
+  };
+  // Software-pipelined: iteration n takes tile n's softmax and P V beside
+  // tile n + 1's Q K^T (one block of independent work for the scheduler;
+  // past the last tile it reads a stage no copy writes, and drops it).
+  float s[2][4];
+  fa_cp_async_wait<kStages - 2>();
+  group_sync(group);
+  qk(ring_p, s);
+  for (int n = 0; n < my_tiles; ++n) {
+    issue(n + kStages - 1);
+    fa_cp_async_wait<kStages - 2>();  // tile n + 1
+    group_sync(group);
+    const unsigned char* kt = ring_p + (n % kStages) * kQStageBytes;
+    const unsigned char* vt = kt + kQTileBytes;
+    const float* scales = reinterpret_cast<const float*>(kt + 2 * kQTileBytes);
     const Chunk ks = *reinterpret_cast<const Chunk*>(scales + 4 * t4);
     const Chunk vs = *reinterpret_cast<const Chunk*>(scales + kTileKeys + 4 * t4);
     // The tile's largest value scale, rounded up to a power of two; v_exp
@@ -553,6 +574,8 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       pa[half] = fa_pack_f16(x[half][0] * v_mult[0], x[half][1] * v_mult[1]);
       pa[2 + half] = fa_pack_f16(x[half][2] * v_mult[2], x[half][3] * v_mult[3]);
     }
+    float s_next[2][4];
+    qk(ring_p + ((n + 1) % kStages) * kQStageBytes, s_next);
     unsigned vw[4][kQSpan / 4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) load_span(vt, 4 * t4 + i, gl * kQSpan, vw[i]);
@@ -569,6 +592,11 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       value_pairs<2>(vw[2][w], vw[3][w], b[2][1], b[3][1]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) mma_f16(o[4 * w + e], pa, b[e][0], b[e][1]);
+    }
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[kb][i] = s_next[kb][i];
     }
     group_sync(group);  // every lane's reads of this stage before it is refilled
   }
