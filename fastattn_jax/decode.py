@@ -477,10 +477,13 @@ class KVCache:
       dtype = k.dtype if dtype is None else dtype
       return cls(k=tuple(jnp.pad(k[i], pad).astype(dtype) for i in layers),
                  v=tuple(jnp.pad(v[i], pad).astype(dtype) for i in layers), lengths=lengths)
-    unit = None if np.dtype(dtype) == np.int8 else jnp.ones((1, 1, k.shape[3]), jnp.float32)
-    parts = {name: [quantize(x[i], dtype, unit) for i in layers] for name, x in (("k", k),
-                                                                               ("v", v))}
-    scale_pad = pad[:3] if unit is None else None
+    int8 = np.dtype(dtype) == np.int8
+    # float8: a scale array of its own per layer and for k and v (a donated
+    # step must not see one buffer twice).
+    unit = lambda: None if int8 else jnp.ones((1, 1, k.shape[3]), jnp.float32)
+    parts = {name: [quantize(x[i], dtype, unit()) for i in layers] for name, x in (("k", k),
+                                                                                 ("v", v))}
+    scale_pad = pad[:3] if int8 else None
     padded = lambda scale: scale if scale_pad is None else jnp.pad(scale, scale_pad)
     return cls(k=tuple(jnp.pad(x, pad) for x, _ in parts["k"]),
                v=tuple(jnp.pad(x, pad) for x, _ in parts["v"]), lengths=lengths,
