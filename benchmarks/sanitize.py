@@ -113,9 +113,11 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--paths", default="cuda_sm90,cuda_sm80,cuda_sm75,cuda_sm70")
   parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
+  parser.add_argument("--decode-only", action="store_true",
+                      help="only the decode_attention cases (paged and quantized caches)")
   args = parser.parse_args(argv)
   for path in args.paths.split(","):
-    for case in CASES:
+    for case in () if args.decode_only else CASES:
       print(path, run_case(path, case, jnp.dtype(args.dtype)), flush=True)
     for case in DECODE_CASES:
       print(path, run_decode_case(path, case, jnp.dtype(args.dtype)), flush=True)
