@@ -38,7 +38,7 @@ ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
   p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
   p->block_table = paged.block_table;
   p->max_pages = paged.max_pages, p->pages = paged.pages, p->page_size = paged.page_size;
-  if (p->block_table && !fastattn::cpu_reads_pages(*p)) {
+  if (p->block_table && !fastattn::cpu_reads_in_place(*p)) {
     return ffi::Error::InvalidArgument(
         "CPU attention: only the decode path (at most 64 query rows per key/value head) reads a "
         "paged cache");
