@@ -267,28 +267,33 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
   them in place; other kernels get them gathered into one (B, S, K, H) cache
   first (``reference.gather_pages``). With ``k_scale`` and ``v_scale``, k and
   v are a quantized cache (``shapes.check_kv_scales``): the CUDA decode
-  kernel's quantized builds read it in place; other kernels get it
-  dequantized to q's dtype first (``reference.dequantize``).
+  kernel's quantized builds and the CPU kernel's decode path read it in
+  place; other kernels get it dequantized to q's dtype first
+  (``reference.dequantize``).
   """
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens, block_table,
                      k_scale, v_scale)
   B, T, N, H = q.shape
-  in_place = (block_table is not None and implementation == "cpu" and
-              _ffi.cpu_plan(B, T, block_table.shape[1] * k.shape[1], N, k.shape[2], H,
-                            1)["decode"])
-  k, v = plain_kv(k, v, None if in_place else block_table, k_scale, v_scale, q.dtype)
-  if not in_place:
-    block_table = None
+  # The CPU kernel's decode path reads pages and quantized caches in place (attention_cpu.h:
+  # cpu_reads_in_place); every other kernel gets them gathered and dequantized.
+  if block_table is not None or k_scale is not None:
+    S = k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
+    if not (implementation == "cpu" and _ffi.cpu_plan(B, T, S, N, k.shape[2], H, 1)["decode"]):
+      k, v = plain_kv(k, v, block_table, k_scale, v_scale, q.dtype)
+      block_table = k_scale = v_scale = None
   if implementation in ascend.IMPLEMENTATIONS:
     out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
     return (out.astype(jnp.float32) if config.float32_out else out), lse
   out_dtype = jnp.float32 if config.float32_out else q.dtype
+  absent = lambda dtype, x: jnp.zeros((0,), dtype) if x is None else x
+  # The CPU target's own operands: the block table, then k_scale and v_scale (each empty where
+  # absent).
   return kernel_call(CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, out_dtype),
                                   jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
                      config, q, k, v, bias, mask, q_lens, kv_lens,
-                     jnp.zeros((0,), jnp.int32) if block_table is None else block_table,
-                     variant=np.int64(0), fold_heads=np.int64(0))
+                     absent(jnp.int32, block_table), absent(jnp.float32, k_scale),
+                     absent(jnp.float32, v_scale), variant=np.int64(0), fold_heads=np.int64(0))
 
 
 def _rounded(x, dtype):

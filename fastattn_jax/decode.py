@@ -279,10 +279,11 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, k_sc
   A quantized cache (int8 or float8_e4m3fn, with ``k_scale`` and
   ``v_scale``; ``quantize`` makes them): the keys are ``cache_k *
   k_scale[..., None]``. The CUDA decode kernel (sm_80 and newer) reads the
-  8-bit values and dequantizes them in registers, so a step reads half the
-  bytes of a 16-bit cache; the other paths dequantize the cache to query's
-  dtype first. Gradients flow to query and the scales, not to the 8-bit
-  values.
+  8-bit values and dequantizes them in registers, and the CPU kernel's decode
+  path (up to 64 query rows per key/value head) tile by tile to float32, so
+  a step reads half the bytes of a 16-bit cache; the other paths dequantize
+  the cache to query's dtype first. Gradients flow to query and the scales,
+  not to the 8-bit values.
 
   Args:
     query: (B, T, N, H), float16, bfloat16, float32 (or float64, reference

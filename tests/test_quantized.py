@@ -8,7 +8,10 @@ exact values, ``values * scale`` in float64), by the suite's acceptance rule
 against the xla path; paged against the same cache gathered (bit for bit);
 the quantization error itself against its documented bound; and the
 quantized cache against the unquantized one within the error bounds the
-docs give (docs/decode.md).
+docs give (docs/decode.md). The CPU kernel's decode path reads the 8-bit
+cache in place: its dequantization of every int8 and float8_e4m3fn value is
+exact (``values * scale`` rounded once to float32), and the compiled program
+holds no dequantized copy of the cache.
 """
 
 import jax
@@ -17,11 +20,17 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import KVCache, PagedKVCache
+from fastattn_jax import KVCache, PagedKVCache, backends
+from fastattn_jax._util import host_cpu_device
+from fastattn_jax.custom_calls import kernel_call
 from fastattn_jax.decode import decode_attention, quantize
 from fastattn_jax.reference import gather_pages
+from fastattn_jax.shapes import AttentionConfig
 from test_decode import _end_aligned_reference
 from test_paged import _paged
+
+on_the_cpu = pytest.mark.skipif(host_cpu_device() is None,
+                                reason="JAX has no CPU device (JAX_PLATFORMS)")
 
 QUANT = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
 
@@ -39,6 +48,11 @@ def _quantized(x, kind, rng):
 
 def _dequantized64(values, scale):
   return np.asarray(values, np.float64) * np.asarray(scale, np.float64)[..., None]
+
+
+def _gathered(x, scale, table):
+  """A quantized pool and its scales gathered into one cache through ``table``."""
+  return gather_pages(x, table), scale if scale.shape[0] == 1 else gather_pages(scale, table)
 
 
 def _check(q, kq, vq, ks, vs, lengths, dtype, got=None, **opts):
@@ -124,9 +138,7 @@ def test_paged_quantized_is_contiguous_quantized(kind, page_size):
   lengths = jnp.asarray(lengths, jnp.int32)
   got = decode_attention(q, kq, vq, lengths, block_table=table, k_scale=ks, v_scale=vs,
                          return_residual=True, implementation=tu.IMPL)
-  gather = lambda x, s: (gather_pages(x, table),
-                         s if s.shape[0] == 1 else gather_pages(s, table))
-  (kc, ksc), (vc, vsc) = gather(kq, ks), gather(vq, vs)
+  (kc, ksc), (vc, vsc) = _gathered(kq, ks, table), _gathered(vq, vs, table)
   contiguous = decode_attention(q, kc, vc, lengths, k_scale=ksc, v_scale=vsc,
                                 return_residual=True, implementation=tu.IMPL)
   for x, y in zip(got, contiguous):
@@ -276,3 +288,101 @@ def test_quantized_errors(case, error, message):
   }[case]
   with pytest.raises(error, match=message):
     decode_attention(q, args[0], args[1], jnp.full((B,), S), **args[2])
+
+
+@on_the_cpu
+@pytest.mark.parametrize("kind", list(QUANT))
+@pytest.mark.parametrize("T,N,K,H,dtype", [
+    (1, 4, 4, 40, "bfloat16"),      # 1 row per key/value head: the head dimension in the lanes
+    (1, 8, 2, 20, "float16"),       # 4 rows
+    (3, 8, 2, 40, "float32"),       # 12 rows: the rows in the lanes
+    (16, 4, 1, 20, "bfloat16"),     # 64 rows, the most the decode path takes
+    (2, 32, 1, 128, "bfloat16"),    # 64 rows
+])
+def test_cpu_decode_layouts_read_the_quantized_cache(kind, T, N, K, H, dtype):
+  """The CPU decode path's layouts (attention_cpu.cc: decode_layout) over a
+  quantized cache, H not a multiple of 8 and an odd cache length: contiguous
+  against the float64 definition, paged against the same cache gathered, bit
+  for bit."""
+  rng = np.random.default_rng(tu.seed_of(f"cpuquant{kind}{T}{N}{K}{H}{dtype}"))
+  lengths = [max(T - 1, 0), T, 177, 333]
+  B = len(lengths)
+  kp, vp, table = _paged(rng, B, lengths, 16, K, H, jnp.float32)
+  (kq, ks), (vq, vs) = _quantized(kp, kind, rng), _quantized(vp, kind, rng)
+  (kc, ksc), (vc, vsc) = _gathered(kq, ks, table), _gathered(vq, vs, table)
+  kc, ksc, vc, vsc = kc[:, :333], ksc[:, :333], vc[:, :333], vsc[:, :333]
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), tu.DTYPES[dtype])
+  lengths = jnp.asarray(lengths, jnp.int32)
+  with jax.default_device(host_cpu_device()):
+    got = decode_attention(q, kc, vc, lengths, k_scale=ksc, v_scale=vsc, return_residual=True,
+                           implementation="cpu")
+    paged = decode_attention(q, kq, vq, lengths, block_table=table, k_scale=ks, v_scale=vs,
+                             return_residual=True, implementation="cpu")
+  for x, y in zip(paged, got):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  _check(q, kc, vc, ksc, vsc, lengths, dtype, got=got)
+
+
+@on_the_cpu
+@pytest.mark.parametrize("kind", list(QUANT))
+@pytest.mark.parametrize("N", [1, 8])
+def test_cpu_dequantizes_every_value_exactly(kind, N):
+  """A row whose only visible key has P = 1 returns that key's value: every
+  one of the 256 int8 or float8_e4m3fn values times its scale, rounded once to
+  float32 (float8's NaNs NaN, its subnormals exact), with the head dimension
+  (N = 1) or the rows (N = 8) in the lanes."""
+  every = np.arange(256, dtype=np.uint8).view(QUANT[kind])
+  v = jnp.asarray(np.broadcast_to(every, (1, 3, 1, 256)))
+  k = jnp.zeros((1, 3, 1, 256), QUANT[kind])
+  v_scale = jnp.asarray([[[0.37], [5.0], [2.0]]], jnp.float32)
+  q = jnp.ones((1, 1, N, 256), jnp.float32)
+  with jax.default_device(host_cpu_device()):
+    out = decode_attention(q, k, v, jnp.ones((1,), jnp.int32), k_scale=jnp.ones((1, 1, 1)),
+                           v_scale=v_scale, implementation="cpu")
+  want = every.astype(np.float32) * np.float32(0.37)
+  np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(want, out.shape))
+
+
+@on_the_cpu
+@pytest.mark.parametrize("kind", list(QUANT))
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("T,in_place", [(1, True), (16, True), (17, False)])
+def test_cpu_decode_path_reads_the_quantized_cache_in_place(kind, paged, T, in_place):
+  """On the CPU the decode path (up to 64 rows per key/value head) reads the
+  8-bit cache, contiguous or paged: the compiled program holds no dequantized
+  copy of it; past it (68 rows) the cache is dequantized (and the pages
+  gathered) for the tiled kernel."""
+  on_cpu = jax.sharding.SingleDeviceSharding(host_cpu_device())
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_cpu)
+  cache = (10, 16, 2, 64) if paged else (2, 80, 2, 64)
+  scale = cache[:3] if kind == "int8" else (1, 1, 2)
+  args = [spec((2, T, 8, 64), jnp.bfloat16), spec(cache, QUANT[kind]), spec(cache, QUANT[kind]),
+          spec((2,), jnp.int32), spec(scale, jnp.float32), spec(scale, jnp.float32)]
+  table = spec((2, 5), jnp.int32) if paged else None
+  hlo = jax.jit(lambda q, k, v, lengths, ks, vs, table: decode_attention(
+      q, k, v, lengths, block_table=table, k_scale=ks, v_scale=vs, implementation="cpu")).lower(
+          *args, table).compile().as_text()
+  dequantized = "bf16[" + ",".join(map(str, cache)) + "]"
+  assert (dequantized in hlo) == (not in_place)
+  assert ("gather(" in hlo) == (paged and not in_place)
+
+
+@on_the_cpu
+@pytest.mark.parametrize("T,kv_dtype,message", [
+    (17, jnp.int8, "only the decode path"),
+    (1, jnp.bfloat16, "must be S8 or F8E4M3FN"),
+])
+def test_cpu_target_refuses_scales(T, kv_dtype, message):
+  """The CPU target takes scales on its decode path only, with an int8 or
+  float8_e4m3fn cache (fused_call never sends it others)."""
+  q = jnp.zeros((1, T, 8, 16), jnp.bfloat16)
+  k = jnp.zeros((1, 32, 2, 16), kv_dtype)
+  scale = jnp.ones((1, 1, 2), jnp.float32)
+  config = AttentionConfig(scale=0.25)
+  with (jax.default_device(host_cpu_device()),
+        pytest.raises(jax.errors.JaxRuntimeError, match=message)):
+    jax.block_until_ready(kernel_call(
+        backends.CPU_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                              jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        config, q, k, k, None, None, None, None, jnp.zeros((0,), jnp.int32), scale, scale,
+        variant=np.int64(0), fold_heads=np.int64(0)))

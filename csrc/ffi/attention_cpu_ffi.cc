@@ -21,10 +21,12 @@ using fastattn::DtypeCode;
 namespace {
 
 // Fills the forward's operands of `p` (out and lse excepted) from the buffers and attributes;
-// with a non-empty block table (the forward's), k and v are pools of pages.
+// with a non-empty block table (the forward's), k and v are pools of pages; with non-empty scales
+// (the forward's), k and v are a quantized cache.
 ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                       ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                       ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32>* block_table,
+                      ffi::Buffer<ffi::F32>* k_scale, ffi::Buffer<ffi::F32>* v_scale,
                       const CallAttrs& attrs, fastattn::AttentionParams* p) {
   fastattn::QkvDims d;
   fastattn::PagedKv paged;
@@ -38,13 +40,33 @@ ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
   p->B = d.B, p->T = d.T, p->S = d.S, p->N = d.N, p->K = d.K, p->H = d.H;
   p->block_table = paged.block_table;
   p->max_pages = paged.max_pages, p->pages = paged.pages, p->page_size = paged.page_size;
-  if (p->block_table && !fastattn::cpu_reads_pages(*p)) {
+  fastattn::KvScales scales;
+  if (k_scale) {
+    if (auto err = fastattn::CheckKvScales(k.element_type(), k.dimensions(), *k_scale, *v_scale,
+                                           &scales);
+        err.failure()) {
+      return err;
+    }
+  }
+  const bool quantized = scales.dtype >= 0;
+  if ((p->block_table || quantized) && !fastattn::cpu_reads_in_place(*p)) {
     return ffi::Error::InvalidArgument(
         "CPU attention: only the decode path (at most 64 query rows per key/value head) reads a "
-        "paged cache");
+        "paged or quantized cache");
   }
   const int dtype = DtypeCode(q.element_type());
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() || dtype < 0) {
+  if (quantized) {
+    if (v.element_type() != k.element_type() || dtype < 0) {
+      return ffi::Error::InvalidArgument(
+          "with scales, key and value must share one of S8, F8E4M3FN and the query be F32, F16 "
+          "or BF16");
+    }
+    p->kv_dtype = static_cast<FaDtype>(scales.dtype);
+    p->k_scale = scales.k, p->v_scale = scales.v;
+    std::copy_n(scales.k_strides, 3, p->k_scale_strides);
+    std::copy_n(scales.v_strides, 3, p->v_scale_strides);
+  } else if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+             dtype < 0) {
     return ffi::Error::InvalidArgument("query, key and value must share one of F32, F16, BF16");
   }
   p->dtype = static_cast<FaDtype>(dtype);
@@ -100,10 +122,12 @@ void Record(const char* name, const fastattn::AttentionParams& p, int64_t pool_t
 ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
                             ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                            ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::F32> k_scale,
+                            ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                             ffi::ResultBuffer<ffi::F32> lse, CallAttrs attrs) {
   fastattn::AttentionParams p;
-  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, &block_table, attrs, &p);
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, &block_table, &k_scale,
+                            &v_scale, attrs, &p);
       err.failure()) {
     return err;
   }
@@ -131,7 +155,8 @@ ffi::Error AttentionCpuBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Result<ffi::AnyBuffer> dv, CallAttrs attrs) {
   fastattn::AttentionGradParams g;
   fastattn::AttentionParams& p = g.fwd;
-  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, nullptr, attrs, &p);
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, nullptr, nullptr, nullptr,
+                            attrs, &p);
       err.failure()) {
     return err;
   }
@@ -178,6 +203,8 @@ auto BindOperands() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionCpuImpl,
                               BindOperands()
                                   .Arg<ffi::Buffer<ffi::S32>>()     // block table or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // k_scale or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // v_scale or empty
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
                                   .Attrs<CallAttrs>());

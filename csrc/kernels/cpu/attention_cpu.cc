@@ -65,6 +65,7 @@ namespace fastattn {
 namespace {
 
 using cpu::BFloat16;
+using cpu::Float8E4M3;
 using cpu::Half;
 
 // Tile sizes (measured on the 2-core AMD EPYC (Zen 4, AVX-512) development VM, f32, H = 64,
@@ -127,7 +128,9 @@ DecodeLayout decode_layout(const AttentionParams& p) {
 
 }  // namespace
 
-bool cpu_reads_pages(const AttentionParams& p) { return decode_layout(p) != DecodeLayout::kNone; }
+bool cpu_reads_in_place(const AttentionParams& p) {
+  return decode_layout(p) != DecodeLayout::kNone;
+}
 
 namespace {
 

@@ -46,12 +46,24 @@ struct AttentionParams {
   const int32_t* q_lens = nullptr;   // (B,) valid query rows, or nullptr
   const int32_t* kv_lens = nullptr;  // (B,) valid key rows, or nullptr
 
-  // A paged cache, read by the decode path only (cpu_reads_pages): k and v are pools of pages
+  // A paged cache, read by the decode path only (cpu_reads_in_place): k and v are pools of pages
   // (pages, page_size, K, H), and key j of sequence b is row j % page_size of page
   // block_table[b * max_pages + j / page_size] (clamped to [0, pages)). nullptr: k and v are
   // (B, S, K, H), S = max_pages * page_size otherwise.
   const int32_t* block_table = nullptr;
   int64_t max_pages = 0, pages = 0, page_size = 0;
+
+  // A quantized cache, read by the decode path only (cpu_reads_in_place): k and v hold kv_dtype
+  // elements (kFaI8 or kFaF8E4M3), and the row (i0, i1, kh) of k's first three dims ((b, j, kh),
+  // or paged (page, row, kh)) dequantizes to k's elements times k_scale[i0 * k_scale_strides[0]
+  // + i1 * k_scale_strides[1] + kh * k_scale_strides[2]] (v likewise): float32 scales broadcast
+  // over those dims by element strides (0 where broadcast). k_scale nullptr: k and v are dtype
+  // (kv_dtype unused).
+  FaDtype kv_dtype = kFaI8;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t k_scale_strides[3] = {0, 0, 0};
+  int64_t v_scale_strides[3] = {0, 0, 0};
 
   // The logit transform and index rules (attention_rules.h).
   FaRules rules = fa_make_rules(1.0f, 0.0f, 0, 0, -1, -1);
@@ -93,9 +105,10 @@ struct CpuPlan {
 
 CpuPlan PlanCpu(const AttentionParams& params, int64_t workers);
 
-// Whether the forward of `params` reads a paged cache in place: its decode path does (up to 64
-// query rows per key/value head); the caller gathers the pages for any other call.
-bool cpu_reads_pages(const AttentionParams& params);
+// Whether the forward of `params` reads a paged or quantized cache in place: its decode path does
+// (up to 64 query rows per key/value head); the caller gathers the pages and dequantizes the cache
+// for any other call.
+bool cpu_reads_in_place(const AttentionParams& params);
 
 // Computes out (dtype, or float32) and lse. Query rows with no visible key (including
 // rows at or beyond q_lens[b]) get out = 0 and lse = -inf. A NaN or Inf in q, k

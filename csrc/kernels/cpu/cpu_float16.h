@@ -1,5 +1,6 @@
 // IEEE binary16 and bfloat16 <-> binary32 conversions by bit manipulation (no library, no F16C
-// requirement). Internal to the CPU attention kernel.
+// requirement), and the widening of a quantized cache's float8_e4m3fn and int8 elements. Internal
+// to the CPU attention kernel.
 //
 // Widening is branch-free so that tile-loading loops auto-vectorize under the wider targets, and it
 // never forms a subnormal float: the results do not depend on the flush-to-zero /
@@ -18,6 +19,11 @@ struct Half {
 };
 struct BFloat16 {
   uint16_t bits;
+};
+// float8_e4m3fn (Micikevicius et al., "FP8 Formats for Deep Learning", 2022): 1 sign, 4 exponent
+// bits of bias 7, 3 mantissa bits; no infinities, S.1111.111 is NaN; subnormals m * 2^-9.
+struct Float8E4M3 {
+  uint8_t bits;
 };
 
 inline uint32_t float_bits(float f) {
@@ -46,6 +52,23 @@ inline float to_float(Half x) {
   const uint32_t subnormal = float_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
   const uint32_t magnitude = em >= 0x7c00u ? inf_nan : (em >= 0x0400u ? normal : subnormal);
   return bits_float(magnitude | sign);
+}
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// With bitwise selects rather than conditionals: GCC vectorizes a loop of these only without
+// control flow.
+inline float to_float(Float8E4M3 x) {
+  const uint32_t sign = uint32_t{x.bits & 0x80u} << 24;
+  const uint32_t em = x.bits & 0x7fu;  // exponent and mantissa fields
+  // Normal: rebias the exponent from 7 to 127. Subnormal or zero: em * 2^-9, exact through an
+  // integer conversion. 0x7f: NaN.
+  const uint32_t normal = (em << 20) + (120u << 23);
+  const uint32_t subnormal = float_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f);
+  const uint32_t is_normal = 0u - uint32_t{em >= 0x08u};
+  const uint32_t is_nan = 0u - uint32_t{em == 0x7fu};
+  const uint32_t magnitude = (normal & is_normal) | (subnormal & ~is_normal);
+  return bits_float((0x7fc00000u & is_nan) | (magnitude & ~is_nan) | sign);
 }
 
 template <class T>
