@@ -8,7 +8,7 @@ exact values, ``values * scale`` in float64), by the suite's acceptance rule
 against the xla path; paged against the same cache gathered (bit for bit);
 the quantization error itself against its documented bound; and the
 quantized cache against the unquantized one within the error bounds the
-docs give (docs/decode.md). The CPU kernel's decode path reads the 8-bit
+docs give (docs/validation.md). The CPU kernel's decode path reads the 8-bit
 cache in place: its dequantization of every int8 and float8_e4m3fn value is
 exact (``values * scale`` rounded once to float32), and the compiled program
 holds no dequantized copy of the cache.
@@ -198,7 +198,7 @@ def test_quantized_caches_write_and_attend(kind):
 
 @pytest.mark.parametrize("kind", list(QUANT))
 def test_quantized_error_against_float_cache(kind):
-  """The documented bound (docs/decode.md): over a bf16 cache of N(0, 1) keys
+  """The documented bound (docs/validation.md): over a bf16 cache of N(0, 1) keys
   and values at S = 4096, the int8 cache's output differs from the bf16
   cache's by at most 2% of the output's largest magnitude, the float8 cache's
   (scale max|x| / 448 per head, times 0.5 to 2) by at most 6% (measured on

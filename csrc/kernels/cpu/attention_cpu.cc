@@ -442,6 +442,9 @@ void combine_splits(const Problem& pb) {
       return combine_splits_to<Half>(pb);
     case kFaBF16:
       return combine_splits_to<BFloat16>(pb);
+    case kFaI8:
+    case kFaF8E4M3:  // a quantized cache's elements, never out's
+      return;
   }
 }
 
@@ -561,6 +564,9 @@ CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& w
         break;
       case kFaBF16:
         lse_without_head_dims<BFloat16>(params);
+        break;
+      case kFaI8:
+      case kFaF8E4M3:  // a quantized cache's elements, never a bias's
         break;
     }
     return CpuPlan{};
