@@ -231,15 +231,34 @@ def write(cache_k, cache_v, lengths, k_new, v_new, *, k_scale=None, v_scale=None
 
   if scales[0] is None:
     return put(cache_k, k_new), put(cache_v, v_new)
-  written = []
-  for cache, scale, new in ((cache_k, scales[0], k_new), (cache_v, scales[1], v_new)):
-    if cache.dtype == jnp.int8:
-      values, new_scale = quantize(new, cache.dtype)
-      written.append((put(cache, values), put(scale, new_scale)))
-    else:
-      written.append((put(cache, quantize(new, cache.dtype, scale)[0]), scale))
-  (cache_k, k_scale), (cache_v, v_scale) = written
+  cache_k, k_scale = put_quantized(put, cache_k, scales[0], k_new)
+  cache_v, v_scale = put_quantized(put, cache_v, scales[1], v_new)
   return cache_k, cache_v, k_scale, v_scale
+
+
+def put_quantized(put, cache, scale, new):
+  """Writes ``new`` positions into a quantized cache (or pool) and its scale
+  with ``put(array, new_entries)``: int8 quantized per position and head,
+  the new scales written beside the values; float8 by the cache's per-head
+  ``scale``, which stays as it is. Returns ``(cache, scale)``."""
+  if cache.dtype == jnp.int8:
+    values, new_scale = quantize(new, cache.dtype)
+    return put(cache, values), put(scale, new_scale)
+  return put(cache, quantize(new, cache.dtype, scale)[0]), scale
+
+
+def initial_scales(dtype, positions, kv_heads: int, num_layers: int, sharding):
+  """A quantized cache's per-layer scales before any write, one tuple each for
+  k and v: int8 zeros of ``positions + (kv_heads,)`` ((B, S_max) or (pages,
+  page_size)), float8 ones of (1, 1, kv_heads); empty tuples for a float
+  ``dtype``. Every array its own buffer (a donated step must not see one
+  twice)."""
+  if not is_quantized(dtype):
+    return (), ()
+  int8 = np.dtype(dtype) == np.int8
+  full = jax.jit(lambda: jnp.full((*positions, kv_heads) if int8 else (1, 1, kv_heads),
+                                  0.0 if int8 else 1.0, jnp.float32), out_shardings=sharding)
+  return tuple(tuple(full() for _ in range(num_layers)) for _ in range(2))
 
 
 def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, k_scale=None,
@@ -431,16 +450,11 @@ class KVCache:
         lengths, jnp.int32)
     if lengths.shape != (batch,):
       raise ValueError(f"KVCache.create: lengths must have shape ({batch},), got {lengths.shape}")
-    scale = lambda: ()
-    if is_quantized(dtype):
-      int8 = np.dtype(dtype) == np.int8
-      full = jax.jit(lambda: jnp.full((batch, max_len, kv_heads) if int8 else (1, 1, kv_heads),
-                                      0.0 if int8 else 1.0, jnp.float32),
-                     out_shardings=sharding_of(device))
-      scale = lambda: tuple(full() for _ in range(num_layers))
+    k_scale, v_scale = initial_scales(dtype, (batch, max_len), kv_heads, num_layers,
+                                      sharding_of(device))
     return cls(k=tuple(zeros() for _ in range(num_layers)),
                v=tuple(zeros() for _ in range(num_layers)), lengths=lengths,
-               k_scale=scale(), v_scale=scale())
+               k_scale=k_scale, v_scale=v_scale)
 
   @classmethod
   def from_prefill(cls, k, v, lengths, max_len: int, *, dtype=None) -> "KVCache":

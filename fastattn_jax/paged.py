@@ -26,7 +26,7 @@ from jax.experimental import io_callback
 from fastattn_jax import shapes
 from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import seq_lengths
-from fastattn_jax.decode import decode_attention, host_lengths, is_quantized, quantize
+from fastattn_jax.decode import decode_attention, host_lengths, initial_scales, put_quantized
 
 
 def _raise_if_short(missing, lengths, T, max_len, pages_free):
@@ -111,16 +111,10 @@ class PagedKVCache:
                              jnp.zeros((batch,), jnp.int32), jnp.zeros((num_pages,), jnp.int32)),
                     out_shardings=where)
     table, lengths, refs = small()
-    scale = lambda: ()
-    if is_quantized(dtype):
-      int8 = np.dtype(dtype) == np.int8
-      full = jax.jit(lambda: jnp.full((num_pages, page_size, kv_heads) if int8 else
-                                      (1, 1, kv_heads), 0.0 if int8 else 1.0, jnp.float32),
-                     out_shardings=where)
-      scale = lambda: tuple(full() for _ in range(num_layers))
+    k_scale, v_scale = initial_scales(dtype, (num_pages, page_size), kv_heads, num_layers, where)
     return cls(k=tuple(pool() for _ in range(num_layers)),
                v=tuple(pool() for _ in range(num_layers)),
-               block_table=table, lengths=lengths, refs=refs, k_scale=scale(), v_scale=scale())
+               block_table=table, lengths=lengths, refs=refs, k_scale=k_scale, v_scale=v_scale)
 
   @classmethod
   def from_prefill(cls, k, v, lengths, *, num_pages: int, page_size: int,
@@ -290,15 +284,8 @@ class PagedKVCache:
 
     if not self.k_scale:
       return put(self.k[layer], k_new), put(self.v[layer], v_new)
-    written = []
-    for pool, scale, new in ((self.k[layer], self.k_scale[layer], k_new),
-                             (self.v[layer], self.v_scale[layer], v_new)):
-      if pool.dtype == jnp.int8:
-        values, new_scale = quantize(new, pool.dtype)
-        written.append((put(pool, values), put(scale, new_scale)))
-      else:
-        written.append((put(pool, quantize(new, pool.dtype, scale)[0]), scale))
-    (k, k_scale), (v, v_scale) = written
+    k, k_scale = put_quantized(put, self.k[layer], self.k_scale[layer], k_new)
+    v, v_scale = put_quantized(put, self.v[layer], self.v_scale[layer], v_new)
     return k, v, k_scale, v_scale
 
   def replace_layer(self, layer: int, k, v, k_scale=None, v_scale=None) -> "PagedKVCache":
