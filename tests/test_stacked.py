@@ -236,3 +236,24 @@ def test_room_checks():
   jax.block_until_ready(jax.jit(lambda c: c.advance(2).lengths)(cache))
   with pytest.raises(ValueError, match=r"KV cache overflow.*S_max=32"):
     cache.attend(0, jnp.zeros((2, 3, 1, 8)), jnp.zeros((2, 3, 1, 8)), jnp.zeros((2, 3, 1, 8)))
+
+
+def test_llama_decode_step_over_a_stacked_cache():
+  """``llama.decode_step`` takes a stacked cache as it is (its layers run
+  with static indices, each read in place as pages): the tuple cache's
+  logits, bit for bit, over two steps."""
+  from fastattn_jax.models import llama
+  config = llama.PRESETS["tiny"]
+  params = llama.init_params(config)
+  tokens = np.random.default_rng(tu.seed_of("stacked-llama")).integers(
+      0, config.vocab_size, (2, 12), dtype=np.int32)
+  _, k, v = llama.prefill(params, tokens, config=config, implementation=tu.IMPL)
+  caches = [KVCache.from_prefill(k, v, [12, 7], 32, stacked=stacked) for stacked in (True, False)]
+  for step in range(2):
+    ids = tokens[:, step:step + 1]
+    got, caches[0] = llama.decode_step(params, caches[0], ids, config=config,
+                                       implementation=tu.IMPL)
+    want, caches[1] = llama.decode_step(params, caches[1], ids, config=config,
+                                        implementation=tu.IMPL)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert caches[0].stacked and int(caches[0].lengths[1]) == 9
