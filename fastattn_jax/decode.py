@@ -660,35 +660,34 @@ class KVCache:
       raise ValueError(f"KVCache.from_prefill: max_len={max_len} < P={k.shape[2]}")
     if stacked:
       max_len = stacked_len(max_len)
-    pad = ((0, 0), (0, max_len - k.shape[2]), (0, 0), (0, 0))
     where = k.sharding  # lengths replicated on k's devices (k may be split by heads)
     if isinstance(where, jax.sharding.NamedSharding):
       where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
     lengths = jax.device_put(np.asarray(lengths, np.int32), where)
-    # Stacked: the whole (L, ...) arrays at once (one "layer" of rank 5).
-    # Tuple: indexed, not iterated (iterating a sharded array yields
-    # single-device rows).
-    layers = [slice(None)] if stacked else range(k.shape[0])
-    if stacked:
-      pad = ((0, 0), *pad)
+    # The arrays built: the whole (L, B, P, K, H) ones (stacked), or each
+    # layer's, indexed, not iterated (iterating a sharded array yields
+    # single-device rows). Each padded along P to max_len.
+    parts = (lambda x: [x]) if stacked else (lambda x: [x[i] for i in range(x.shape[0])])
     pack = (lambda xs: xs[0]) if stacked else tuple
+    lead = 2 if stacked else 1  # the dims before P
+    pad = lambda x: jnp.pad(x, [(0, 0)] * lead + [(0, max_len - k.shape[2])] +
+                            [(0, 0)] * (x.ndim - lead - 1))
     if dtype is None or not is_quantized(dtype):
       dtype = k.dtype if dtype is None else dtype
-      return cls(k=pack([jnp.pad(k[i], pad).astype(dtype) for i in layers]),
-                 v=pack([jnp.pad(v[i], pad).astype(dtype) for i in layers]), lengths=lengths)
+      return cls(k=pack([pad(x).astype(dtype) for x in parts(k)]),
+                 v=pack([pad(x).astype(dtype) for x in parts(v)]), lengths=lengths)
     int8 = np.dtype(dtype) == np.int8
-    # float8: a scale array of its own per layer and for k and v (a donated
+    # float8: scale 1 per head, (L, 1, 1, K) stacked, else (1, 1, K) per
+    # layer; an array of its own for each layer and for k and v (a donated
     # step must not see one buffer twice).
-    unit = lambda: None if int8 else jnp.ones((k.shape[0],) * stacked + (1, 1, k.shape[3]),
-                                              jnp.float32)
-    parts = {name: [quantize(x[i], dtype, unit()) for i in layers] for name, x in (("k", k),
-                                                                                 ("v", v))}
-    scale_pad = pad[:-1] if int8 else None
-    padded = lambda scale: scale if scale_pad is None else jnp.pad(scale, scale_pad)
-    return cls(k=pack([jnp.pad(x, pad) for x, _ in parts["k"]]),
-               v=pack([jnp.pad(x, pad) for x, _ in parts["v"]]), lengths=lengths,
-               k_scale=pack([padded(s) for _, s in parts["k"]]),
-               v_scale=pack([padded(s) for _, s in parts["v"]]))
+    unit = lambda x: None if int8 else jnp.ones((*x.shape[:lead - 1], 1, 1, x.shape[-2]),
+                                                jnp.float32)
+    quantized = {name: [quantize(x, dtype, unit(x)) for x in parts(arrays)]
+                 for name, arrays in (("k", k), ("v", v))}
+    scales = lambda name: pack([pad(s) if int8 else s for _, s in quantized[name]])
+    return cls(k=pack([pad(x) for x, _ in quantized["k"]]),
+               v=pack([pad(x) for x, _ in quantized["v"]]), lengths=lengths,
+               k_scale=scales("k"), v_scale=scales("v"))
 
   @property
   def stacked(self) -> bool:
