@@ -20,7 +20,8 @@ import pytest
 import fa_testutil as tu
 from fastattn_jax import KVCache
 from fastattn_jax._util import host_cpu_device
-from fastattn_jax.decode import decode_attention, stacked_pages
+from fastattn_jax.decode import decode_attention, stacked_pages, write
+from fastattn_jax.models import llama
 from test_decode import _check
 
 L, B, K, N, H = 3, 3, 2, 4, 64
@@ -139,7 +140,7 @@ def test_stacked_pages_address_each_layer_and_sequence(max_len, page):
 
 
 @pytest.mark.skipif(host_cpu_device() is None, reason="JAX has no CPU device (JAX_PLATFORMS)")
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "float16", "int8"])
 def test_scan_step_copies_no_layer(kv):
   """The compiled scan step (cache donated) needs temporary memory far
   below one layer's keys and values: the write lands in the stacked arrays
@@ -148,10 +149,11 @@ def test_scan_step_copies_no_layer(kv):
   write, ``decode.write``; those dtypes are not claimed here.)"""
   on_cpu = jax.sharding.SingleDeviceSharding(host_cpu_device())
   S, T = 1024, 1
-  dtype = jnp.float32 if kv == "float32" else jnp.int8
+  dtype = {"float32": jnp.float32, "float16": jnp.float16, "int8": jnp.int8}[kv]
   cache = jax.eval_shape(lambda: KVCache.create(L, B, S, K, H, dtype, stacked=True))
   cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_cpu), cache)
-  args = [jax.ShapeDtypeStruct((L, B, T, *shape), jnp.float32, sharding=on_cpu)
+  queries = jnp.float16 if kv == "float16" else jnp.float32
+  args = [jax.ShapeDtypeStruct((L, B, T, *shape), queries, sharding=on_cpu)
           for shape in ((N, H), (K, H), (K, H))]
   step = jax.jit(lambda *a: _scan_step(*a, implementation="cpu"), donate_argnums=0)
   compiled = step.lower(cache, *args).compile()
@@ -181,6 +183,27 @@ def test_bad_concrete_layer(stacked, layer, error, match):
   q, k_new, v_new = (x[0] for x in _inputs(np.random.default_rng(0), 1, jnp.float32))
   with pytest.raises(error, match=match):
     cache.attend(layer, q, k_new, v_new)
+
+
+def test_stacked_arrays_and_scales_are_checked():
+  """``write`` with ``layer`` names the stacked layout and the scales it
+  needs, with the shapes it got."""
+  lengths = jnp.zeros((B,), jnp.int32)
+  new = jnp.zeros((B, 1, K, H))
+  layer_k = jnp.zeros((B, 16, K, H))
+  with pytest.raises(ValueError, match=r"\(L, B, S_max, K, H\) of one dtype, got \(3, 16"):
+    write(layer_k, layer_k, lengths, new, new, layer=0)
+  cache = KVCache.create(L, B, 16, K, H, jnp.float8_e4m3fn, stacked=True)
+  with pytest.raises(ValueError, match=r"needs k_scale float32 of shape \(3, 1, 1, 2\), got "
+                                       r"float32 of shape \(1, 1, 2\)"):
+    write(cache.k, cache.v, lengths, new, new, layer=0, k_scale=cache.k_scale[0],
+          v_scale=cache.v_scale)
+  with pytest.raises(ValueError, match=r"needs v_scale .* got None"):
+    write(cache.k, cache.v, lengths, new, new, layer=0, k_scale=cache.k_scale)
+  floats = KVCache.create(L, B, 16, K, H, jnp.float32, stacked=True)
+  with pytest.raises(ValueError, match="k_scale and v_scale are for an int8 or float8"):
+    write(floats.k, floats.v, lengths, new, new, layer=0, k_scale=cache.k_scale,
+          v_scale=cache.v_scale)
 
 
 def test_traced_layer_is_clamped():
@@ -242,7 +265,6 @@ def test_llama_decode_step_over_a_stacked_cache():
   """``llama.decode_step`` takes a stacked cache as it is (its layers run
   with static indices, each read in place as pages): the tuple cache's
   logits, bit for bit, over two steps."""
-  from fastattn_jax.models import llama
   config = llama.PRESETS["tiny"]
   params = llama.init_params(config)
   tokens = np.random.default_rng(tu.seed_of("stacked-llama")).integers(
