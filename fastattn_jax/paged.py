@@ -117,6 +117,8 @@ def layer_attend(query, k_pool, v_pool, block_table, lengths, k_new, v_new, *, s
   queries over them, jitted: ``decode.layer_attend`` for pages (the
   ``PagedKVCache.attend`` of one layer whose pools live apart from the
   allocator, e.g. on the host CPU device: ``offload.OffloadedKVCache``).
+  The pages are read in place through the block table (PagedAttention, Kwon
+  et al. 2023) by the CPU kernel and the CUDA decode kernel.
 
   Args:
     query: (B, T, N, H), a floating dtype.
@@ -132,8 +134,13 @@ def layer_attend(query, k_pool, v_pool, block_table, lengths, k_new, v_new, *, s
     pools with the new positions written.
 
   Raises:
-    ValueError, TypeError: as ``decode_attention``.
+    ValueError: k_new and v_new not both (B, T, K, H) with the pools' K and
+      H; ValueError, TypeError: as ``decode_attention``.
   """
+  expected = (query.shape[0], query.shape[1], *k_pool.shape[2:])
+  if k_new.shape != expected or v_new.shape != expected:
+    raise ValueError(f"paged.layer_attend: k_new and v_new must be (B, T, K, H) = {expected} "
+                     f"(query's B, T and the pools' K, H), got {k_new.shape} and {v_new.shape}")
   page, row = _page_rows(block_table, lengths, k_new.shape[1], k_pool.shape[1], k_pool.shape[0])
   k_pool = k_pool.at[page, row].set(k_new.astype(k_pool.dtype), mode="drop")
   v_pool = v_pool.at[page, row].set(v_new.astype(v_pool.dtype), mode="drop")
@@ -218,8 +225,9 @@ class PagedKVCache:
     cache = cls(k=tuple(pool() for _ in range(num_layers)),
                 v=tuple(pool() for _ in range(num_layers)), block_table=table, lengths=lengths,
                 refs=refs, page_size=page_size, k_scale=k_scale, v_scale=v_scale)
-    remember_lengths(lengths, np.zeros(batch, np.int32))
-    remember_pages(cache, np.zeros(batch, np.int32), num_pages)
+    if not isinstance(lengths, jax.core.Tracer):  # created inside a caller's jit
+      remember_lengths(lengths, np.zeros(batch, np.int32))
+      remember_pages(cache, np.zeros(batch, np.int32), num_pages)
     return cache
 
   @classmethod

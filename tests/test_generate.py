@@ -195,8 +195,8 @@ def test_paged_decode_steps_read_no_page_counts_from_the_device(params, rng, mon
   logits, ks, vs = llama.prefill(params, tokens, config=TINY32)
   # 2 + 1 pages for the prompts, 1 more as each sequence passes a page; none spare.
   cache = PagedKVCache.from_prefill(ks, vs, lengths, num_pages=5, page_size=ps, max_len=4 * ps)
-  reads = []
-  monkeypatch.setattr(paged.jax, "device_get", lambda x: reads.append(x) or jax.device_get(x))
+  reads, device_get = [], jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or device_get(x))
   sequences = [list(tokens[b, :n]) for b, n in enumerate(lengths)]
   last = np.asarray(logits)[np.arange(Bt), lengths - 1]
   for _ in range(steps):

@@ -330,6 +330,9 @@ def test_offloaded_paged_cache_matches_float64_attention(rng, T):
       before = np.asarray(cache.device.block_table)[1]
       freed = set(before[before >= 0].tolist())
       cache = cache.release(np.array([False, True, False]))
+      with pytest.raises(ValueError, match=r"no pages yet; call reserve"):  # sequence 1 has none
+        cache.attend(0, *(jnp.zeros((batch, T, n, head_dim)) for n in (q_heads, kv_heads,
+                                                                        kv_heads)))
       for layer in range(layers):
         history[layer][1] = history[layer][1][:, :0]  # sequence 1 starts empty
     cache = cache.reserve(T)
@@ -356,3 +359,13 @@ def test_offloaded_paged_cache_matches_float64_attention(rng, T):
   assert set(table[1][table[1] >= 0].tolist()) <= freed, "sequence 1 reused no freed page"
   with pytest.raises(ValueError, match="KV cache overflow"):
     cache.reserve(new)
+
+
+def test_paged_layer_attend_names_mismatched_new_keys():
+  from fastattn_jax import paged
+  pool = jnp.zeros((4, 16, 2, 8), jnp.float32)
+  table = jnp.zeros((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match=r"k_new and v_new must be \(B, T, K, H\) = \(1, 1, 2, 8\)"):
+    paged.layer_attend(jnp.zeros((1, 1, 4, 8)), pool, pool, table, jnp.zeros((1,), jnp.int32),
+                       jnp.zeros((1, 1, 3, 8)), jnp.zeros((1, 1, 3, 8)), scale=None,
+                       implementation=None)

@@ -106,9 +106,8 @@ class OffloadedKVCache:
   block table (B x max_pages int32) to the host CPU device, where each
   host-resident layer's pools are written and read in place by the CPU
   kernel (``decode_attention(..., block_table=..., implementation="cpu")``).
-  The allocator's other calls (``release``, ``truncate``, ``share_prefix``)
-  act on ``device`` and so on every layer; the next ``reserve`` copies the
-  table they leave.
+  ``release`` returns sequences' pages to the pool of every layer; the next
+  ``reserve`` copies the table it leaves.
 
   Attributes:
     plan: the ``OffloadPlan`` it follows.
@@ -308,12 +307,19 @@ class OffloadedKVCache:
       afterwards (its arrays of ``layer`` are donated).
 
     Raises:
-      ValueError: positions past ``plan.max_len``, a layer out of range, or
-        shapes that do not fit (as ``decode_attention``).
+      ValueError: positions past ``plan.max_len``, a paged cache's new
+        positions without pages (``reserve`` first), a layer out of range,
+        or shapes that do not fit (as ``decode_attention``).
     """
     if not 0 <= layer < self.plan.num_layers:
       raise ValueError(f"attend: layer must be in [0, {self.plan.num_layers}), got {layer}")
-    self.check_room(k_new.shape[1])
+    T = k_new.shape[1]
+    self.check_room(T)
+    # Reserved: the pages T more positions need are held, none is missing.
+    if isinstance(self.device, PagedKVCache) and \
+        self.device.pages_after(T)[1] != paged.host_pages(self.device)[1]:
+      raise ValueError(f"attend: the T={T} new positions have no pages yet; call reserve({T}) "
+                       f"first (offload.decode_step does)")
     slot = self.slot(layer)
     if slot is not None:
       out, k, v = _layer_attend(query, self.device.k[slot], self.device.v[slot],
