@@ -256,11 +256,14 @@ class PagedKVCache:
                        max_len=max(P, 1) if max_len is None else max_len, device=k.sharding)
     known = not isinstance(lengths, jax.core.Tracer)
     if known:
-      pages = cache.pages_after(np.asarray(lengths))
+      # A copy: on a CPU device np.asarray would view the array's buffer, and
+      # the record would keep the array it is about alive.
+      values = np.array(lengths)
+      pages = cache.pages_after(values)
     cache = cache._allocate(lengths)
     if known:
       remember_pages(cache, *pages)
-      remember_lengths(lengths, np.asarray(lengths))
+      remember_lengths(lengths, values)
     starts = jnp.zeros_like(cache.lengths)
     # Positions past a sequence's length have no page and are not written.
     for i in range(L):

@@ -4,7 +4,9 @@ the whole sequence, greedy tokens of offloaded runs equal to the all-on-device
 run, the presets' parameter counts, and the command line (the real model:
 test_models.py)."""
 
+import gc
 import json
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -219,6 +221,13 @@ def test_paged_decode_steps_read_no_page_counts_from_the_device(params, rng, mon
   with pytest.raises(ValueError, match="out of pages"):
     cache.check_room(15)
   assert reads == []
+  # The records do not keep the arrays they describe alive (a NumPy view of a
+  # CPU array would), so they go with the cache.
+  fresh = PagedKVCache.from_prefill(ks, vs, lengths, num_pages=5, page_size=ps)
+  arrays = [weakref.ref(x) for x in (fresh.lengths, fresh.refs, fresh.block_table)]
+  del fresh
+  gc.collect()
+  assert [ref() for ref in arrays] == [None] * 3
 
 
 def test_command_line_paged_presets_give_the_contiguous_tokens(tmp_path, capsys):
