@@ -31,7 +31,9 @@ Random weights (``--preset``, the default): ``python -m fastattn_jax.generate
    prefill, the others by decode steps with ``decode_attention`` over the
    cache (``llama.decode_step``: one jitted call per step when the whole
    cache is on the device, the offload scheduler otherwise); the first step
-   warms up (compiles) and is not timed.
+   warms up (compiles) and is not timed. With ``--paged PAGE_SIZE`` every
+   layer's cache is a pool of pages (``PagedKVCache``; host-resident layers'
+   pools on the host CPU, ``--offload host``).
 
 It prints and (with ``--out DIR``) writes to ``DIR/results.json``: decode
 tokens/s and per-token latency, device memory in use
@@ -55,6 +57,7 @@ import numpy as np
 
 from fastattn_jax import offload, resolve_implementation
 from fastattn_jax.models import missing_extra
+from fastattn_jax.paged import check_page_size
 
 #: How the program is run, for its usage line and error messages.
 PROG = "python -m fastattn_jax.generate"
@@ -119,9 +122,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--top-p", type=float, default=1.0,
                       help="with --model: nucleus sampling's probability mass (default: 1)")
   parser.add_argument("--paged", type=_positive_int, default=None, metavar="PAGE_SIZE",
-                      help="with --model: decode over a paged KV cache (PagedKVCache) of pages "
-                           "of PAGE_SIZE positions, a power of two >= 16 (default: a "
-                           "contiguous KVCache)")
+                      help="decode over a paged KV cache (PagedKVCache) of pages of PAGE_SIZE "
+                           "positions, a power of two >= 16; with --preset, host-resident "
+                           "layers' pages live on the host CPU (--offload host; not stream) "
+                           "(default: a contiguous KVCache)")
   parser.add_argument("--kv-dtype", default=None, choices=("int8", "float8_e4m3fn"),
                       help="with --model: a quantized KV cache, int8 (scales per position and "
                            "head) or float8_e4m3fn (scale 1 per head) (default: --dtype)")
@@ -162,8 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   # Options of one kind of run only: given to the other, they are an error.
   preset_only = ("context", "prompt_len", "batch", "offload", "host_layers", "device_memory_gb",
                  "host_memory_gb")
-  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel", "paged",
-                "kv_dtype")
+  model_only = ("prompt", "chat", "temperature", "top_p", "tensor_parallel", "kv_dtype")
   wrong = [name for name in (preset_only if args.model else model_only)
            if getattr(args, name) != parser.get_default(name)]
   if wrong:
@@ -173,6 +176,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.error("--model needs at least one --prompt")
   if args.paged is not None and args.tensor_parallel > 1:
     parser.error("--paged runs on one device (no --tensor-parallel)")
+  if args.paged is not None and args.offload == "stream":
+    parser.error("--paged serves host-resident layers with --offload host (or auto, none), not "
+                 "stream: a streamed layer keeps a contiguous tail apart from its prefix")
   if args.kv_dtype is not None and args.tensor_parallel > 1:
     parser.error("--kv-dtype runs on one device (no --tensor-parallel)")
   if not (args.temperature >= 0 and 0 < args.top_p <= 1):
@@ -226,6 +232,8 @@ def _check_args(args, config):
           f"max_context of preset {config.name!r}, {config.max_context} positions")
     if args.prompt_len is not None and args.prompt_len > args.context:
       raise ValueError(f"--prompt-len {args.prompt_len} exceeds --context {args.context}")
+  if args.paged is not None:
+    check_page_size("--paged", args.paged)
   if args.host_layers is not None:
     if args.offload not in ("stream", "host"):
       raise ValueError(f"--host-layers needs --offload stream or host, got --offload "
@@ -301,7 +309,7 @@ def _plan_json(plan: offload.OffloadPlan) -> dict:
       "device_budget_bytes": plan.device_budget_bytes,
       "host_budget_bytes": plan.host_budget_bytes, "device_kv_bytes": plan.device_kv_bytes,
       "staging_bytes": plan.staging_bytes, "tail_bytes": plan.tail_bytes,
-      "host_kv_bytes": plan.host_kv_bytes, "reason": plan.reason,
+      "host_kv_bytes": plan.host_kv_bytes, "page_size": plan.page_size, "reason": plan.reason,
       "longest_device_context": plan.longest_device_context,
       "predicted_step_s": {p.mode: p.seconds for p in plan.predictions},
       "predicted_host_layers": {p.mode: p.host_layers for p in plan.predictions},
@@ -373,7 +381,7 @@ def _run(args, config: llama.LlamaConfig) -> dict:
       return min(config.max_context - args.new_tokens, offload.longest_context(
           L, B, args.new_tokens, config.num_kv_heads, config.head_dim, config.dtype,
           device_budget_bytes=device_budget_for(context), host_budget_bytes=host_budget,
-          modes=modes))
+          modes=modes, page_size=args.paged))
 
     # The margin grows with the context: a second pass with the first answer's
     # margin is conservative (a smaller context needs a smaller margin).
@@ -404,7 +412,7 @@ def _run(args, config: llama.LlamaConfig) -> dict:
       L, B, context, args.new_tokens, config.num_kv_heads, config.head_dim, config.dtype,
       device_budget_bytes=device_budget, host_budget_bytes=host_budget, rates=rates,
       mode=args.offload, host_layers=args.host_layers,
-      weight_bytes_per_layer=config.layer_weight_bytes)
+      weight_bytes_per_layer=config.layer_weight_bytes, page_size=args.paged)
   print(plan.explain(), flush=True)
 
   key = jax.random.key(args.seed)
@@ -450,7 +458,7 @@ def _run(args, config: llama.LlamaConfig) -> dict:
       "preset": config.name, "dtype": config.dtype, "device": str(device),
       "device_kind": device.device_kind, "jax_version": jax.__version__,
       "batch": B, "context": context, "prompt_len": prompt_len, "new_tokens": args.new_tokens,
-      "offload_requested": args.offload, "seed": args.seed,
+      "offload_requested": args.offload, "page_size": args.paged, "seed": args.seed,
       "tokens_per_s": B * len(step_s) / timings["decode"],
       "step_ms": {"mean": float(step_ms.mean()), "p50": float(np.percentile(step_ms, 50)),
                   "p90": float(np.percentile(step_ms, 90))},

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,8 @@ from jax.experimental import io_callback
 from fastattn_jax import shapes
 from fastattn_jax._util import host_cpu_device, sharding_of
 from fastattn_jax.attention import seq_lengths
-from fastattn_jax.decode import decode_attention, host_lengths, initial_scales, put_quantized
+from fastattn_jax.decode import (decode_attention, host_lengths, initial_scales, put_quantized,
+                                 remember_lengths)
 
 
 def _raise_if_short(missing, lengths, T, max_len, pages_free):
@@ -41,6 +43,110 @@ def _raise_if_short(missing, lengths, T, max_len, pages_free):
         f"paged KV cache out of pages: T={T} new positions at lengths {lengths} need "
         f"{int(missing)} new pages, {int(pages_free)} are free; release finished sequences "
         f"or create the cache with more pages")
+
+
+def check_page_size(caller: str, page_size: int) -> None:
+  """Raises ValueError, naming ``caller``, unless ``page_size`` is a power of
+  two >= ``shapes.MIN_PAGE_SIZE`` (the kernels' page sizes)."""
+  if page_size < shapes.MIN_PAGE_SIZE or page_size & (page_size - 1):
+    raise ValueError(f"{caller}: page_size must be a power of two >= {shapes.MIN_PAGE_SIZE}, "
+                     f"got {page_size}")
+
+
+def _pages_after(held, free, lengths, T, page_size, max_len):
+  """(held, free) once sequences of ``lengths`` get pages for T more
+  positions each (``reserve``): the entries each holds and the pages free,
+  on the host; raises ValueError when the positions or the pages do not
+  suffice. Held entries are a prefix of each block-table row (``_allocate``
+  fills the entries a length needs, ``truncate`` drops those past it)."""
+  lengths = np.asarray(lengths)
+  need = -(-(lengths + T) // page_size)
+  missing = int(np.maximum(need - held, 0).sum())
+  _raise_if_short(missing, lengths, T, max_len, free)
+  return np.maximum(held, need), free - missing
+
+
+# Page counts the host knows without reading the block table back: a decode
+# step (and ``create``, ``from_prefill``, an eager ``reserve``) records, for
+# the block table and refs it returns, each sequence's held entries and the
+# free pages, so the next ``check_room`` costs no device round trip, as
+# ``decode.remember_lengths`` does for the lengths. Keyed by the id of refs,
+# valid while both arrays are the recorded ones, dropped with refs.
+_KNOWN_PAGES: dict[int, tuple[weakref.ref, weakref.ref, np.ndarray, int]] = {}
+
+
+def host_pages(cache: "PagedKVCache") -> tuple[np.ndarray, int]:
+  """``(held, free)`` of ``cache`` on the host: (B,) int32 NumPy, the
+  block-table entries each sequence holds, and the number of free pages;
+  the values recorded for its very block table and refs
+  (``remember_pages``), else read back from the device (one round trip)."""
+  entry = _KNOWN_PAGES.get(id(cache.refs))
+  if entry is not None and entry[0]() is cache.refs and entry[1]() is cache.block_table:
+    return entry[2], entry[3]
+  held, free = jax.device_get((jnp.sum(cache.block_table >= 0, axis=1, dtype=jnp.int32),
+                               jnp.sum(cache.refs == 0)))
+  return np.asarray(held), int(free)
+
+
+def remember_pages(cache: "PagedKVCache", held, free: int) -> None:
+  """Records that the (concrete) block table and refs of ``cache`` hold
+  ``held`` (B,) entries per sequence and leave ``free`` pages free."""
+  key = id(cache.refs)
+  # The callback holds the dict itself: it may run at interpreter exit,
+  # after the module's globals are gone.
+  forget = lambda _, known=_KNOWN_PAGES: known.pop(key, None)
+  _KNOWN_PAGES[key] = (weakref.ref(cache.refs, forget),
+                       weakref.ref(cache.block_table), np.asarray(held, np.int32), int(free))
+
+
+def _page_rows(block_table, starts, T: int, page_size: int, num_pages: int):
+  """(page, row), each (B, T): where position ``starts[b] + t`` of sequence b
+  lives; page ``num_pages`` (out of range: a scatter drops it) where the
+  position has no page or is past the table."""
+  pos = starts[:, None] + jnp.arange(T)[None, :]
+  entry = jnp.clip(pos // page_size, 0, block_table.shape[1] - 1)
+  page = jnp.take_along_axis(block_table, entry, axis=1)
+  page = jnp.where((page < 0) | (pos >= block_table.shape[1] * page_size), num_pages, page)
+  return page, pos % page_size
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "implementation"), donate_argnums=(1, 2))
+def layer_attend(query, k_pool, v_pool, block_table, lengths, k_new, v_new, *, scale,
+                 implementation):
+  """Writes T new positions into one layer's page pools and attends the T
+  queries over them, jitted: ``decode.layer_attend`` for pages (the
+  ``PagedKVCache.attend`` of one layer whose pools live apart from the
+  allocator, e.g. on the host CPU device: ``offload.OffloadedKVCache``).
+  The pages are read in place through the block table (PagedAttention, Kwon
+  et al. 2023) by the CPU kernel and the CUDA decode kernel.
+
+  Args:
+    query: (B, T, N, H), a floating dtype.
+    k_pool, v_pool: (pages, page_size, K, H) of query's dtype; donated.
+    block_table: (B, max_pages) int32 with pages for the new positions
+      (``PagedKVCache.reserve``).
+    lengths: (B,) int32, positions written before this call.
+    k_new, v_new: (B, T, K, H).
+    scale, implementation: as in ``decode_attention`` (static).
+
+  Returns:
+    ``(out, k_pool, v_pool)``: out (B, T, N, H) in query's dtype, and the
+    pools with the new positions written.
+
+  Raises:
+    ValueError: k_new and v_new not both (B, T, K, H) with the pools' K and
+      H; ValueError, TypeError: as ``decode_attention``.
+  """
+  expected = (query.shape[0], query.shape[1], *k_pool.shape[2:])
+  if k_new.shape != expected or v_new.shape != expected:
+    raise ValueError(f"paged.layer_attend: k_new and v_new must be (B, T, K, H) = {expected} "
+                     f"(query's B, T and the pools' K, H), got {k_new.shape} and {v_new.shape}")
+  page, row = _page_rows(block_table, lengths, k_new.shape[1], k_pool.shape[1], k_pool.shape[0])
+  k_pool = k_pool.at[page, row].set(k_new.astype(k_pool.dtype), mode="drop")
+  v_pool = v_pool.at[page, row].set(v_new.astype(v_pool.dtype), mode="drop")
+  out = decode_attention(query, k_pool, v_pool, lengths + k_new.shape[1], block_table=block_table,
+                         scale=scale, implementation=implementation)
+  return out, k_pool, v_pool
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +165,7 @@ class PagedKVCache:
     lengths: (B,) int32, positions of each sequence written so far.
     refs: (pages,) int32, how many block-table entries hold each page (0:
       free). A page is shared where a prefix is (``share_prefix``).
+    page_size: positions per page (static: part of the pytree's structure).
     k_scale, v_scale: a quantized cache's per-layer scales, float32:
       (pages, page_size, K) for int8, (1, 1, K) for float8_e4m3fn
       (``decode.quantize``); empty tuples for a float cache.
@@ -69,6 +176,7 @@ class PagedKVCache:
   block_table: jax.Array
   lengths: jax.Array
   refs: jax.Array
+  page_size: int = dataclasses.field(metadata=dict(static=True))
   k_scale: tuple = ()
   v_scale: tuple = ()
 
@@ -79,7 +187,9 @@ class PagedKVCache:
     """An empty cache: zero-filled pools, every page free, every length 0.
 
     Args:
-      num_layers, batch, kv_heads, head_dim: L, B, K, H.
+      num_layers, batch, kv_heads, head_dim: L, B, K, H; L may be 0 (the
+        allocator alone, for layers whose pools live elsewhere:
+        ``offload.OffloadedKVCache``).
       num_pages: pages in each layer's pool.
       page_size: positions per page, a power of two >= 16
         (``shapes.MIN_PAGE_SIZE``).
@@ -91,16 +201,16 @@ class PagedKVCache:
       device: a ``jax.Device`` or ``jax.sharding.Sharding`` for the arrays.
 
     Raises:
-      ValueError: non-positive sizes, or a page size that is not a power of
-        two >= 16.
+      ValueError: non-positive sizes (a negative num_layers), or a page size
+        that is not a power of two >= 16.
     """
-    for name, x in (("num_layers", num_layers), ("batch", batch), ("num_pages", num_pages),
-                    ("kv_heads", kv_heads), ("head_dim", head_dim)):
+    if int(num_layers) < 0:
+      raise ValueError(f"PagedKVCache.create: num_layers must be >= 0, got {num_layers}")
+    for name, x in (("batch", batch), ("num_pages", num_pages), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim)):
       if int(x) <= 0:
         raise ValueError(f"PagedKVCache.create: {name} must be positive, got {x}")
-    if page_size < shapes.MIN_PAGE_SIZE or page_size & (page_size - 1):
-      raise ValueError(f"PagedKVCache.create: page_size must be a power of two >= "
-                       f"{shapes.MIN_PAGE_SIZE}, got {page_size}")
+    check_page_size("PagedKVCache.create", page_size)
     max_len = num_pages * page_size if max_len is None else int(max_len)
     if max_len <= 0:
       raise ValueError(f"PagedKVCache.create: max_len must be positive, got {max_len}")
@@ -112,9 +222,13 @@ class PagedKVCache:
                     out_shardings=where)
     table, lengths, refs = small()
     k_scale, v_scale = initial_scales(dtype, (num_pages, page_size), kv_heads, num_layers, where)
-    return cls(k=tuple(pool() for _ in range(num_layers)),
-               v=tuple(pool() for _ in range(num_layers)),
-               block_table=table, lengths=lengths, refs=refs, k_scale=k_scale, v_scale=v_scale)
+    cache = cls(k=tuple(pool() for _ in range(num_layers)),
+                v=tuple(pool() for _ in range(num_layers)), block_table=table, lengths=lengths,
+                refs=refs, page_size=page_size, k_scale=k_scale, v_scale=v_scale)
+    if not isinstance(lengths, jax.core.Tracer):  # created inside a caller's jit
+      remember_lengths(lengths, np.zeros(batch, np.int32))
+      remember_pages(cache, np.zeros(batch, np.int32), num_pages)
+    return cache
 
   @classmethod
   def from_prefill(cls, k, v, lengths, *, num_pages: int, page_size: int,
@@ -140,10 +254,16 @@ class PagedKVCache:
     lengths = seq_lengths("lengths", lengths, B, P)
     cache = cls.create(L, B, num_pages, page_size, K, H, dtype=k.dtype if dtype is None else dtype,
                        max_len=max(P, 1) if max_len is None else max_len, device=k.sharding)
-    if not isinstance(lengths, jax.core.Tracer):
-      missing, free = cache._missing_pages(lengths)
-      _raise_if_short(missing, cache.lengths, P, cache.max_len, free)
+    known = not isinstance(lengths, jax.core.Tracer)
+    if known:
+      # A copy: on a CPU device np.asarray would view the array's buffer, and
+      # the record would keep the array it is about alive.
+      values = np.array(lengths)
+      pages = cache.pages_after(values)
     cache = cache._allocate(lengths)
+    if known:
+      remember_pages(cache, *pages)
+      remember_lengths(lengths, values)
     starts = jnp.zeros_like(cache.lengths)
     # Positions past a sequence's length have no page and are not written.
     for i in range(L):
@@ -153,10 +273,6 @@ class PagedKVCache:
   @property
   def num_layers(self) -> int:
     return len(self.k)
-
-  @property
-  def page_size(self) -> int:
-    return self.k[0].shape[1]
 
   @property
   def num_pages(self) -> int:
@@ -180,9 +296,12 @@ class PagedKVCache:
         pages do not suffice (``check_room``); under jit the step checks
         that in ``advance``.
     """
-    if not isinstance(self.lengths, jax.core.Tracer):
-      self.check_room(T)
-    return self._allocate(self.lengths + T)
+    if isinstance(self.lengths, jax.core.Tracer):
+      return self._allocate(self.lengths + T)
+    pages = self.pages_after(T)
+    cache = self._allocate(self.lengths + T)
+    remember_pages(cache, *pages)
+    return cache
 
   def _allocate(self, lengths) -> "PagedKVCache":
     """Pages for every entry sequences of ``lengths`` need and lack."""
@@ -269,15 +388,10 @@ class PagedKVCache:
         k_new.shape[2:] != (K, H):
       raise ValueError(f"PagedKVCache: k_new and v_new must be (B, T, K, H) = ({B}, T, {K}, "
                        f"{H}), got {k_new.shape} and {v_new.shape}")
-    T = k_new.shape[1]
-    starts = self.lengths if starts is None else starts
-    pos = starts[:, None] + jnp.arange(T)[None, :]
-    entry = jnp.clip(pos // self.page_size, 0, self.block_table.shape[1] - 1)
-    page = jnp.take_along_axis(self.block_table, entry, axis=1)
     # A position without a page (out of pages or past max_len: reported by
     # ``advance``) writes nowhere.
-    page = jnp.where((page < 0) | (pos >= self.max_len), self.num_pages, page)
-    row = pos % self.page_size
+    page, row = _page_rows(self.block_table, self.lengths if starts is None else starts,
+                           k_new.shape[1], self.page_size, self.num_pages)
 
     def put(pool, new):
       return pool.at[page, row].set(new.astype(pool.dtype), mode="drop")
@@ -318,26 +432,41 @@ class PagedKVCache:
                            **dict(zip(("k_scale", "v_scale"), scales)), **kwargs)
     return out, self.replace_layer(layer, k, v, *scales)
 
-  def _missing_pages(self, lengths):
-    """Entries sequences of ``lengths`` need that have no page yet, and the
-    free pages."""
-    new = self._pages_needed(lengths) & (self.block_table < 0)
-    return jnp.sum(new), jnp.sum(self.refs == 0)
+  def pages_after(self, T) -> tuple[np.ndarray, int]:
+    """On the host: ``(held, free)`` once ``reserve(T)`` has run, (B,) int32
+    NumPy entries each sequence holds and the free pages (a decode step
+    records them for its result, ``remember_pages``). Reads nothing from
+    the device where the lengths (``decode.remember_lengths``) and pages
+    (``remember_pages``) of these very arrays are recorded (a decode step,
+    ``create``, ``from_prefill`` and an eager ``reserve`` record them;
+    ``release``, ``truncate`` and ``share_prefix`` do not), else one round
+    trip each.
+
+    Args:
+      T: new positions per sequence, an int or (B,) integer.
+
+    Raises:
+      ValueError: as ``check_room``.
+    """
+    held, free = host_pages(self)
+    return _pages_after(held, free, host_lengths(self.lengths), T, self.page_size, self.max_len)
 
   def check_room(self, T: int) -> bool:
     """Checks on the host, before a step, that T more positions fit: within
-    ``max_len`` and within the free pages (``reserve``). As
-    ``KVCache.check_room``: reads lengths back (microseconds); False when
-    traced (then only ``advance`` can check).
+    ``max_len`` and within the free pages (``reserve``), from the lengths
+    and page counts recorded on the host (``pages_after``): no device round
+    trip in the steady state of ``offload.decode_step``.
+
+    Returns:
+      True when checked; False when the lengths are traced (inside a
+      caller's jit): then only ``advance`` can check.
 
     Raises:
       ValueError: when a length would pass ``max_len`` or the pool is short.
     """
     if isinstance(self.lengths, jax.core.Tracer):
       return False
-    lengths = host_lengths(self.lengths)
-    missing, free = self._missing_pages(lengths + T)
-    _raise_if_short(missing, lengths, T, self.max_len, free)
+    self.pages_after(T)
     return True
 
   def advance(self, T: int, *, check: bool = True) -> "PagedKVCache":

@@ -4,7 +4,9 @@ the whole sequence, greedy tokens of offloaded runs equal to the all-on-device
 run, the presets' parameter counts, and the command line (the real model:
 test_models.py)."""
 
+import gc
 import json
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +183,77 @@ def test_command_line_offload_modes_agree(tmp_path, capsys):
 def test_command_line_errors_name_the_argument(argv, message):
   with pytest.raises(SystemExit, match=message):
     generate.main(["--preset", "tiny", "--no-progress"] + argv)
+
+
+def test_paged_decode_steps_read_no_page_counts_from_the_device(params, rng, monkeypatch):
+  """Over a PagedKVCache of ragged lengths, each step records its lengths and
+  page counts on the host, so the next check_room reads nothing from the
+  device (any read-back fails here); the logits stay those of a float64
+  forward pass, and running out of pages is still reported."""
+  from fastattn_jax import PagedKVCache, paged
+  Bt, P, steps, ps = 2, 30, 4, 16
+  lengths = np.array([P, 15])
+  tokens = rng.integers(0, TINY32.vocab_size, (Bt, P)).astype(np.int32)
+  logits, ks, vs = llama.prefill(params, tokens, config=TINY32)
+  # 2 + 1 pages for the prompts, 1 more as each sequence passes a page; none spare.
+  cache = PagedKVCache.from_prefill(ks, vs, lengths, num_pages=5, page_size=ps, max_len=4 * ps)
+  reads, device_get = [], jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or device_get(x))
+  sequences = [list(tokens[b, :n]) for b, n in enumerate(lengths)]
+  last = np.asarray(logits)[np.arange(Bt), lengths - 1]
+  for _ in range(steps):
+    new = np.argmax(last, axis=-1).astype(np.int32)[:, None]
+    for b in range(Bt):
+      sequences[b].append(int(new[b, 0]))
+    logits, cache = llama.decode_step(params, cache, new, config=TINY32)
+    last = np.asarray(logits)[:, -1]
+    for b in range(Bt):
+      expected = reference_logits(params, np.asarray(sequences[b])[None], TINY32)[0, -1]
+      np.testing.assert_allclose(last[b], expected, atol=2e-4)
+    held, free = paged.host_pages(cache)
+    np.testing.assert_array_equal(held, (np.asarray(cache.block_table) >= 0).sum(axis=1))
+    assert free == int((np.asarray(cache.refs) == 0).sum())
+  assert reads == [], "check_room read page counts back from the device"
+  np.testing.assert_array_equal(paged.host_pages(cache)[0], [3, 2])
+  assert paged.host_pages(cache)[1] == 0
+  # Sequence 0 (34 positions) fits in its pages up to 48, sequence 1 (19) up to 32.
+  cache.check_room(13)
+  with pytest.raises(ValueError, match="out of pages"):
+    cache.check_room(15)
+  assert reads == []
+  # The records do not keep the arrays they describe alive (a NumPy view of a
+  # CPU array would), so they go with the cache.
+  fresh = PagedKVCache.from_prefill(ks, vs, lengths, num_pages=5, page_size=ps)
+  arrays = [weakref.ref(x) for x in (fresh.lengths, fresh.refs, fresh.block_table)]
+  del fresh
+  gc.collect()
+  assert [ref() for ref in arrays] == [None] * 3
+
+
+def test_command_line_paged_presets_give_the_contiguous_tokens(tmp_path, capsys):
+  common = ["--preset", "tiny", "--context", "100", "--new-tokens", "4", "--batch", "2",
+            "--no-progress", "--seed", "5"]
+  want = generate.main(common + ["--offload", "none"])["tokens"]
+  runs = [["--offload", "none", "--paged", "32"]]
+  if host_cpu_device() is not None:
+    runs += [["--offload", "host", "--host-layers", "2", "--paged", "16"],
+             ["--offload", "host", "--host-layers", "4", "--paged", "64"]]
+  for extra in runs:
+    result = generate.main(common + extra + ["--out", str(tmp_path)])
+    assert result["tokens"] == want, extra
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["page_size"] == saved["plan"]["page_size"] == int(extra[-1])
+    assert saved["memory"]["host_kv_bytes"] == saved["plan"]["host_kv_bytes"]
+  assert "pages of 64 positions" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--paged", "16", "--offload", "stream"], "--paged serves host-resident layers with "
+                                               "--offload host"),
+    (["--paged", "24"], "--paged: page_size must be a power of two >= 16, got 24"),
+])
+def test_command_line_paged_errors(argv, message, capsys):
+  with pytest.raises(SystemExit) as err:
+    generate.main(["--preset", "tiny", "--no-progress"] + argv)
+  # argparse prints its errors (status 2); the checks of values exit with the message.
+  assert message in capsys.readouterr().err + str(err.value)

@@ -273,3 +273,99 @@ def test_measure_rates_gives_positive_finite_rates():
   assert "GB/s" in r.describe()
   with pytest.raises(ValueError, match="contexts must be two increasing"):
     offload.measure_rates(contexts=(1024, 256))
+
+
+# --- paged caches -------------------------------------------------------------------
+
+def test_paged_plan_counts_whole_pages_and_has_no_stream_mode():
+  """A paged plan's layer is every sequence's S_max rounded up to pages;
+  streaming is refused when forced and skipped by "auto"."""
+  ps = 64
+  room = -(-(CONTEXT + NEW) // ps) * ps  # 1024 positions of 1024
+  p = plan(mode="host", host_layers=3, page_size=ps)
+  assert p.page_size == ps and p.num_pages == B * room // ps
+  assert p.host_kv_bytes == 3 * 2 * B * room * K * H * ITEM
+  assert f"in {p.num_pages} pages of {ps} positions" in p.explain()
+  p = plan(device_budget_bytes=4 * FULL, rates=STREAM_WINS, page_size=ps)
+  assert p.mode == "host" and p.prediction("stream").host_layers is None
+  with pytest.raises(ValueError, match="mode 'stream' is unavailable: a paged cache"):
+    plan(mode="stream", page_size=ps)
+  with pytest.raises(ValueError, match="plan_offload: page_size must be a power of two"):
+    plan(mode="host", page_size=24)
+  with pytest.raises(ValueError, match="a plan of contiguous caches has no pages"):
+    plan(mode="host").num_pages
+
+
+@needs_cpu
+@pytest.mark.parametrize("T", [1, 3])
+def test_offloaded_paged_cache_matches_float64_attention(rng, T):
+  """Mode "host" over pages: the host layers' pools and a copy of the block
+  table on the CPU device, one allocator for every layer. Sequence 1 is
+  released halfway and starts again in pages freed and taken out of order,
+  so the lengths are ragged and the pages of a sequence shuffled."""
+  layers, batch, context, new, kv_heads, q_heads, head_dim, ps = 3, 3, 37, 24, 2, 4, 16, 16
+  p = plan_offload(layers, batch, context, new, kv_heads, head_dim, "float32",
+                   device_budget_bytes=BIG, host_budget_bytes=BIG, mode="host", host_layers=2,
+                   page_size=ps)
+  device = jax.devices()[0]
+  prefix = _layer_arrays(rng, layers, batch, context, kv_heads, head_dim)
+  asked = []
+
+  def fill(layer, length):
+    asked.append(length)
+    return tuple(jax.device_put(x, device) for x in prefix[layer])
+
+  cache = OffloadedKVCache.build(p, fill, device=device)
+  assert asked == [context] * layers
+  for layer in p.host_layers:
+    for x in (cache.host_k[layer], cache.host_v[layer]):
+      assert x.devices() == {host_cpu_device()} and x.shape == (p.num_pages, ps, kv_heads,
+                                                                 head_dim)
+  assert cache.host_table.devices() == {host_cpu_device()}
+  assert cache.host_bytes() == p.host_kv_bytes
+  history = [[prefix[layer][:, b] for b in range(batch)] for layer in range(layers)]
+  steps = new // T
+  for step in range(steps):
+    if step == steps // 2:
+      before = np.asarray(cache.device.block_table)[1]
+      freed = set(before[before >= 0].tolist())
+      cache = cache.release(np.array([False, True, False]))
+      with pytest.raises(ValueError, match=r"no pages yet; call reserve"):  # sequence 1 has none
+        cache.attend(0, *(jnp.zeros((batch, T, n, head_dim)) for n in (q_heads, kv_heads,
+                                                                        kv_heads)))
+      for layer in range(layers):
+        history[layer][1] = history[layer][1][:, :0]  # sequence 1 starts empty
+    cache = cache.reserve(T)
+    lengths = cache.lengths + T
+    for layer in range(layers):
+      q = rng.standard_normal((batch, T, q_heads, head_dim)).astype(np.float32)
+      kv = rng.standard_normal((2, batch, T, kv_heads, head_dim)).astype(np.float32)
+      out, cache = cache.attend(layer, *(jax.device_put(x, device) for x in (q, kv[0], kv[1])))
+      assert out.devices() == {device}
+      for b in range(batch):
+        history[layer][b] = np.concatenate([history[layer][b], kv[:, b]], axis=1)
+        keys = history[layer][b]
+        expected = reference_attention(q[b:b + 1], keys[None, 0], keys[None, 1], lengths[b:b + 1])
+        np.testing.assert_allclose(np.asarray(out[b:b + 1]), expected, atol=2e-5, rtol=2e-5)
+    cache = cache.advance(T)
+  restart = steps - steps // 2
+  np.testing.assert_array_equal(cache.lengths, [context + steps * T, restart * T,
+                                                context + steps * T])
+  table = np.asarray(cache.device.block_table)
+  np.testing.assert_array_equal(np.asarray(cache.host_table), table)
+  held = table[table >= 0]
+  assert len(set(held.tolist())) == len(held), "a page given to two sequences"
+  np.testing.assert_array_equal((table >= 0).sum(axis=1), -(-cache.lengths // ps))
+  assert set(table[1][table[1] >= 0].tolist()) <= freed, "sequence 1 reused no freed page"
+  with pytest.raises(ValueError, match="KV cache overflow"):
+    cache.reserve(new)
+
+
+def test_paged_layer_attend_names_mismatched_new_keys():
+  from fastattn_jax import paged
+  pool = jnp.zeros((4, 16, 2, 8), jnp.float32)
+  table = jnp.zeros((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match=r"k_new and v_new must be \(B, T, K, H\) = \(1, 1, 2, 8\)"):
+    paged.layer_attend(jnp.zeros((1, 1, 4, 8)), pool, pool, table, jnp.zeros((1,), jnp.int32),
+                       jnp.zeros((1, 1, 3, 8)), jnp.zeros((1, 1, 3, 8)), scale=None,
+                       implementation=None)

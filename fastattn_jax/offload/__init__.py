@@ -20,6 +20,16 @@ host-resident layer in one of two modes:
   the fused CPU kernel), so only the query, the new keys/values and the output
   cross PCIe (a few KiB per layer and token).
 
+A paged cache (``plan_offload(..., page_size=...)``: every layer a pool of
+pages addressed through one block table, ``fastattn_jax.PagedKVCache``) is
+served on the device or in mode "host": a host-resident layer's pools live on
+the host CPU device and the CPU kernel reads their pages in place through a
+copy of the block table, taken once a step after the device-side allocator
+has reserved the step's pages for every layer. Mode "stream" keeps a
+never-written prefix apart from a contiguous device tail, which does not
+split along pages that the allocator shares and reuses, so it serves
+contiguous caches only.
+
 This is the CPU-GPU cooperative strategy of FastAttention (Lin et al. 2024,
 "FastAttention: Extend FlashAttention2 to NPUs and Low-resource GPUs for
 Efficient Inference"): for long contexts, copying a layer's KV cache to the

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from fastattn_jax._util import format_bytes
 from fastattn_jax.offload.rates import Rates
+from fastattn_jax.paged import check_page_size
 
 MODES = ("none", "stream", "host")
 #: Bytes in a GiB (2**30), the unit of memory budgets on command lines.
@@ -51,6 +52,9 @@ class OffloadPlan:
     mode: "none" (every layer on the device), "stream" or "host".
     num_layers, batch, context, max_len, kv_heads, head_dim, dtype: L, B,
       the prefix length, S_max = context + new tokens, K, H and the dtype name.
+    page_size: None for contiguous caches (B, S_max, K, H); else each
+      layer's cache is a pool of ``num_pages`` pages of page_size positions
+      (``PagedKVCache``), served on the device or in mode "host".
     device_layers, host_layers: layer indices (L_GPU and L_CPU of them).
     device_budget_bytes, host_budget_bytes: the budgets planned against.
     device_kv_bytes: device-resident layers' caches (L_GPU x B x S_max x K x H
@@ -87,6 +91,18 @@ class OffloadPlan:
   rates: Rates | None
   reason: str
   longest_device_context: int
+  page_size: int | None
+
+  @property
+  def num_pages(self) -> int:
+    """Pages of each layer's pool: every sequence's room for S_max positions.
+
+    Raises:
+      ValueError: a plan of contiguous caches (``page_size`` None).
+    """
+    if self.page_size is None:
+      raise ValueError("OffloadPlan.num_pages: a plan of contiguous caches has no pages")
+    return self.batch * -(-self.max_len // self.page_size)
 
   @property
   def device_bytes(self) -> int:
@@ -105,12 +121,16 @@ class OffloadPlan:
 
   def explain(self) -> str:
     """A human-readable account of the plan: placement, bytes, predicted times, the choice."""
-    layer = _layer_bytes(self.batch, self.max_len, self.kv_heads, self.head_dim, self.dtype)
+    layer = _layer_bytes(self.batch, _room(self.max_len, self.page_size), self.kv_heads,
+                         self.head_dim, self.dtype)
+    pages = ("" if self.page_size is None else
+             f" in {self.num_pages} pages of {self.page_size} positions")
     lines = [
         f"KV cache plan: mode {self.mode!r}, L_GPU = {len(self.device_layers)} device layers, "
         f"L_CPU = {len(self.host_layers)} host layers",
         f"  KV cache: {self.num_layers} layers x (B={self.batch}, S_max={self.max_len}, "
-        f"K={self.kv_heads}, H={self.head_dim}) {self.dtype} = {format_bytes(layer)} per layer, "
+        f"K={self.kv_heads}, H={self.head_dim}) {self.dtype}{pages} = {format_bytes(layer)} per "
+        f"layer, "
         f"{format_bytes(layer * self.num_layers)} in all (context {self.context} + "
         f"{self.max_len - self.context} new positions)",
         f"  device layers: {_ranges(self.device_layers)} ({format_bytes(self.device_kv_bytes)} of "
@@ -162,6 +182,11 @@ def _layer_bytes(batch, length, kv_heads, head_dim, dtype) -> int:
   return 2 * batch * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
+def _room(max_len, page_size) -> int:
+  """Positions a sequence's cache takes for ``max_len``: whole pages of a paged cache."""
+  return max_len if page_size is None else -(-max_len // page_size) * page_size
+
+
 def _memory(mode, n_host, L, full, prefix, tail):
   """(device bytes, host bytes) of ``mode`` with ``n_host`` host layers."""
   device = (L - n_host) * full
@@ -183,7 +208,7 @@ def _fits(mode, n_host, L, full, prefix, tail, device_budget, host_budget):
 
 def longest_context(num_layers: int, batch: int, new_tokens: int, kv_heads: int, head_dim: int,
                     dtype, *, device_budget_bytes: int, host_budget_bytes: int = 0,
-                    modes=("none",)) -> int:
+                    modes=("none",), page_size: int | None = None) -> int:
   """The longest context (prefix tokens) whose KV cache fits the budgets in one of ``modes``.
 
   Pure arithmetic (bytes as in ``plan_offload``), by bisection over the
@@ -197,18 +222,24 @@ def longest_context(num_layers: int, batch: int, new_tokens: int, kv_heads: int,
     device_budget_bytes, host_budget_bytes: bytes.
     modes: any of "none", "stream", "host"; an offload mode may put any
       number of layers on the host.
+    page_size: as in ``plan_offload`` (each sequence's cache in whole
+      pages; "stream" is not counted for a paged cache).
 
   Returns:
     The context in tokens (0 when not even an empty prefix fits).
 
   Raises:
-    ValueError: non-positive sizes.
+    ValueError: non-positive sizes, a page size that is not a power of two
+      >= 16.
   """
   _check_positive("longest_context", num_layers=num_layers, batch=batch, new_tokens=new_tokens,
                   kv_heads=kv_heads, head_dim=head_dim)
+  if page_size is not None:
+    check_page_size("longest_context", page_size)
+    modes = tuple(m for m in modes if m != "stream")
 
   def fits(context):
-    full = _layer_bytes(batch, context + new_tokens, kv_heads, head_dim, dtype)
+    full = _layer_bytes(batch, _room(context + new_tokens, page_size), kv_heads, head_dim, dtype)
     prefix = _layer_bytes(batch, context, kv_heads, head_dim, dtype)
     tail = _layer_bytes(batch, new_tokens, kv_heads, head_dim, dtype)
     return any(_fits(mode, n, num_layers, full, prefix, tail, device_budget_bytes,
@@ -229,7 +260,7 @@ def longest_context(num_layers: int, batch: int, new_tokens: int, kv_heads: int,
 def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_heads: int,
                  head_dim: int, dtype, *, device_budget_bytes: int, host_budget_bytes: int,
                  rates: Rates | None = None, mode: str = "auto", host_layers: int | None = None,
-                 weight_bytes_per_layer: int = 0) -> OffloadPlan:
+                 weight_bytes_per_layer: int = 0, page_size: int | None = None) -> OffloadPlan:
   """Places each layer's KV cache in device or host memory and picks how to serve host layers.
 
   Pure arithmetic (no device is touched), after FastAttention's CPU-GPU
@@ -242,6 +273,13 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
     (context) in flight plus L_CPU tails (new_tokens) on the device; L_CPU
     prefixes in host memory.
   * "host": L_GPU layers of S_max on the device, L_CPU of S_max on the host.
+
+  A paged cache (``page_size``: ``PagedKVCache`` pools, each sequence's
+  S_max rounded up to whole pages) is served on the device or in mode
+  "host", whose CPU kernel reads the pages in place through a copy of the
+  block table; "stream" keeps a never-written prefix apart from a
+  contiguous device tail, which pages shared and reused by the allocator
+  do not split into, so it is unavailable.
 
   Each offload mode takes the smallest L_CPU that fits the device budget (the
   host layers are the last L_CPU ones, so the device layers run as one jitted
@@ -273,14 +311,17 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
     host_layers: force L_CPU (then ``mode`` must be "stream" or "host").
     weight_bytes_per_layer: bytes of one layer's weights (read once per step
       on the device), for the predicted times.
+    page_size: None for contiguous caches; else the positions per page of
+      a paged cache (a power of two >= 16).
 
   Returns:
     An ``OffloadPlan``.
 
   Raises:
     ValueError: non-positive sizes, negative budgets, an unknown mode,
-      ``host_layers`` out of [0, L] or with mode "auto"/"none", or "auto"
-      needing offload without ``rates``.
+      ``host_layers`` out of [0, L] or with mode "auto"/"none", "auto"
+      needing offload without ``rates``, a page size that is not a power of
+      two >= 16, or mode "stream" with ``page_size``.
     OffloadError: (a ValueError) nothing fits the budgets in the requested
       mode; the message gives the device budget or host memory that would
       fit, and the longest context that fits.
@@ -294,6 +335,8 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
       raise ValueError(f"plan_offload: {name} must be >= 0, got {value}")
   if mode not in ("auto", *MODES):
     raise ValueError(f"plan_offload: mode must be one of {('auto', *MODES)}, got {mode!r}")
+  if page_size is not None:
+    check_page_size("plan_offload", page_size)
   if host_layers is not None:
     if mode not in ("stream", "host"):
       raise ValueError(f"plan_offload: host_layers={host_layers} needs mode 'stream' or "
@@ -304,7 +347,7 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
   dtype = jnp.dtype(dtype).name
   L = num_layers
   max_len = context + new_tokens
-  full = _layer_bytes(batch, max_len, kv_heads, head_dim, dtype)
+  full = _layer_bytes(batch, _room(max_len, page_size), kv_heads, head_dim, dtype)
   prefix = _layer_bytes(batch, context, kv_heads, head_dim, dtype)
   tail = _layer_bytes(batch, new_tokens, kv_heads, head_dim, dtype)
   budgets = (device_budget_bytes, host_budget_bytes)
@@ -318,6 +361,8 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
                 None)
 
   def available(m):
+    if m == "stream" and page_size is not None:
+      return "a paged cache is served on the device or in mode 'host'"
     if m == "stream" and rates is not None and rates.h2d_bytes_per_s is None:
       return "the device has no pinned_host memory"
     if m == "host" and rates is not None and rates.host_bytes_per_s is None:
@@ -363,9 +408,9 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
         raise ValueError("plan_offload: the KV cache needs offload; pass rates (measure_rates) "
                          "so that mode='auto' can choose between 'stream' and 'host'")
       if not candidates:
-        raise OffloadError(_no_fit_message(L, batch, context, new_tokens, kv_heads, head_dim,
-                                           dtype, (full, prefix, tail), budgets, ("stream", "host"),
-                                           by_mode))
+        raise OffloadError(_no_fit_message(
+            L, batch, context, new_tokens, kv_heads, head_dim, dtype, (full, prefix, tail),
+            budgets, ("stream", "host") if page_size is None else ("host",), by_mode, page_size))
       best = min(candidates, key=lambda p: p.seconds)
       chosen = best.mode
       others = [p for p in candidates if p is not best]
@@ -378,7 +423,8 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
       if by_mode[mode].detail.startswith("unavailable"):
         raise ValueError(f"plan_offload: mode {mode!r} is {by_mode[mode].detail}")
       raise OffloadError(_no_fit_message(L, batch, context, new_tokens, kv_heads, head_dim,
-                                         dtype, (full, prefix, tail), budgets, (mode,), by_mode))
+                                         dtype, (full, prefix, tail), budgets, (mode,), by_mode,
+                                         page_size))
     reason = f"requested (mode={mode!r}" + (
         f", host_layers={host_layers})" if host_layers is not None else ")")
   n = by_mode[chosen].host_layers
@@ -396,7 +442,9 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
       host_kv_bytes=_memory(chosen, n, L, full, prefix, tail)[1],
       predictions=predictions, rates=rates, reason=reason,
       longest_device_context=longest_context(L, batch, new_tokens, kv_heads, head_dim, dtype,
-                                             device_budget_bytes=device_budget_bytes))
+                                             device_budget_bytes=device_budget_bytes,
+                                             page_size=page_size),
+      page_size=page_size)
 
 
 def _requirements(mode, L, full, prefix, tail, budgets):
@@ -433,7 +481,7 @@ def _shortfall(mode, host_layers, L, full, prefix, tail, budgets):
 
 
 def _no_fit_message(L, batch, context, new_tokens, kv_heads, head_dim, dtype, sizes, budgets,
-                    modes, by_mode):
+                    modes, by_mode, page_size):
   full, prefix, tail = sizes
   device_budget, host_budget = budgets
   shape = (f"{L} layers x (B={batch}, S_max={context + new_tokens}, K={kv_heads}, "
@@ -448,10 +496,11 @@ def _no_fit_message(L, batch, context, new_tokens, kv_heads, head_dim, dtype, si
       fixes.append(f"a device budget of {format_bytes(device_needed)} (mode {m!r})")
   longest = longest_context(L, batch, new_tokens, kv_heads, head_dim, dtype,
                             device_budget_bytes=device_budget, host_budget_bytes=host_budget,
-                            modes=modes)
+                            modes=modes, page_size=page_size)
   fixes.append(f"a context of at most {longest} tokens (with {new_tokens} new)"
                if longest else "no context at all with these budgets")
-  hint = ("; offloading to host memory (mode 'auto', 'stream' or 'host') may fit"
+  offload_modes = "'auto', 'stream' or 'host'" if page_size is None else "'auto' or 'host'"
+  hint = (f"; offloading to host memory (mode {offload_modes}) may fit"
           if modes == ("none",) else "")
   return (f"the KV cache does not fit: {shape}; device budget {format_bytes(device_budget)}, host "
           f"budget {format_bytes(host_budget)}. " + "; ".join(

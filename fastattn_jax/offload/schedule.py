@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fastattn_jax import decode
+from fastattn_jax import decode, paged
 from fastattn_jax.decode import KVCache
 from fastattn_jax.offload.cache import OffloadedKVCache
 from fastattn_jax.paged import PagedKVCache
@@ -88,11 +88,13 @@ def _device_layers(layer_params, top, x, cache: KVCache | PagedKVCache, *, decod
 
   ``x`` is tokens (B, T) when ``embed``, else the residual stream (B, T, D);
   returns logits (B, T, V) when ``head``, else the residual stream, and the
-  updated cache (lengths grown by T when ``advance``; ``checked``: the room
-  was checked before the step, so ``advance`` needs no host callback). A
-  ``PagedKVCache`` gets its pages for the step first (``reserve``).
+  updated cache (lengths grown by T when ``advance``: the whole step, which
+  over a ``PagedKVCache`` gets its pages first, ``reserve``; ``checked``: the
+  room was checked before the step, so ``advance`` needs no host callback).
+  An ``OffloadedKVCache`` reserves the step's pages itself
+  (``OffloadedKVCache.reserve``), before its first layer.
   """
-  if isinstance(cache, PagedKVCache):
+  if advance and isinstance(cache, PagedKVCache):
     cache = cache.reserve(x.shape[1])
   if embed:
     x = decoder.embed(top, x)
@@ -162,17 +164,21 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
                      "KVCache of floats, not a PagedKVCache or a quantized cache")
   if isinstance(cache, (KVCache, PagedKVCache)):
     checked = cache.check_room(T)
-    known = decode.host_lengths(cache.lengths) if checked else None
+    if checked:
+      known = decode.host_lengths(cache.lengths)
+      pages = cache.pages_after(T) if isinstance(cache, PagedKVCache) else None
     logits, cache = _device_layers(tuple(layer_params), top, tokens, cache, decoder=decoder,
                                    slots=tuple(range(L)), embed=True, head=True, advance=True,
                                    checked=checked, implementation=implementation)
     if checked:  # the next step's check_room needs no device round trip
       decode.remember_lengths(cache.lengths, known + T)
+      if pages is not None:
+        paged.remember_pages(cache, *pages)
     return logits, cache
   if decoder.layer is not None:
     raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
                      "KVCache, not an OffloadedKVCache")
-  cache.check_room(T)
+  cache = cache.reserve(T)
   x, layer = tokens, 0
   while layer < L:
     if cache.slot(layer) is None:
