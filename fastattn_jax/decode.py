@@ -258,8 +258,10 @@ def host_lengths(lengths) -> np.ndarray:
 def remember_lengths(lengths, values) -> None:
   """Records that the (concrete) array ``lengths`` holds ``values``."""
   key = id(lengths)
-  _KNOWN_LENGTHS[key] = (weakref.ref(lengths, lambda _: _KNOWN_LENGTHS.pop(key, None)),
-                         np.asarray(values, np.int32))
+  # The record bound in the callback: an array dropped at interpreter exit,
+  # after this module's globals, must still find it.
+  forget = lambda _, known=_KNOWN_LENGTHS: known.pop(key, None)
+  _KNOWN_LENGTHS[key] = (weakref.ref(lengths, forget), np.asarray(values, np.int32))
 
 
 def _raise_if_past_end(past_end, lengths, T, S_max):
