@@ -34,10 +34,10 @@ HOST_WINS = Rates(h2d_bytes_per_s=1e9, device_bytes_per_s=3e12, device_fixed_s=2
                   host_bytes_per_s=100e9, host_fixed_s=3e-4, device="test")
 
 
-def plan(**kw):
+def plan(dtype="float16", **kw):
   args = dict(device_budget_bytes=BIG, host_budget_bytes=BIG)
   args.update(kw)
-  return plan_offload(L, B, CONTEXT, NEW, K, H, "float16", **args)
+  return plan_offload(L, B, CONTEXT, NEW, K, H, dtype, **args)
 
 
 def test_everything_fits_on_the_device():
@@ -174,6 +174,8 @@ def test_longest_context_is_bounded_by_the_budgets_alone():
     (dict(mode="auto", host_layers=2), "host_layers=2 needs mode"),
     (dict(mode="host", host_layers=L + 1), r"host_layers must be in \[0, 8\]"),
     (dict(device_budget_bytes=-1), "device_budget_bytes must be >= 0"),
+    (dict(dtype="int8"), "dtype int8 is a quantized cache"),
+    (dict(dtype="float8_e4m3fn"), "dtype float8_e4m3fn is a quantized cache"),
 ])
 def test_bad_arguments(kw, match):
   with pytest.raises(ValueError, match=match):

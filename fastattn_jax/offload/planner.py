@@ -14,6 +14,7 @@ import os
 import jax.numpy as jnp
 
 from fastattn_jax._util import format_bytes
+from fastattn_jax.decode import is_quantized
 from fastattn_jax.offload.rates import Rates
 from fastattn_jax.paged import check_page_size
 
@@ -321,7 +322,8 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
     ValueError: non-positive sizes, negative budgets, an unknown mode,
       ``host_layers`` out of [0, L] or with mode "auto"/"none", "auto"
       needing offload without ``rates``, a page size that is not a power of
-      two >= 16, or mode "stream" with ``page_size``.
+      two >= 16, mode "stream" with ``page_size``, or an int8 or
+      float8_e4m3fn ``dtype`` (a quantized cache is not offloaded).
     OffloadError: (a ValueError) nothing fits the budgets in the requested
       mode; the message gives the device budget or host memory that would
       fit, and the longest context that fits.
@@ -344,6 +346,10 @@ def plan_offload(num_layers: int, batch: int, context: int, new_tokens: int, kv_
     if not 0 <= host_layers <= num_layers:
       raise ValueError(f"plan_offload: host_layers must be in [0, {num_layers}], got "
                        f"{host_layers}")
+  if is_quantized(dtype):
+    raise ValueError(f"plan_offload: dtype {jnp.dtype(dtype).name} is a quantized cache, whose "
+                     f"scales the offloaded cache does not keep; offload a float cache (or "
+                     f"keep a quantized one on the device: KVCache or PagedKVCache)")
   dtype = jnp.dtype(dtype).name
   L = num_layers
   max_len = context + new_tokens
