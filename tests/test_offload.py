@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fa_testutil as tu
-from fastattn_jax import offload
+from fastattn_jax import KVCache, offload
 from fastattn_jax._util import format_bytes, host_cpu_device
 from fastattn_jax.offload import OffloadedKVCache, OffloadError, Rates, plan_offload
 
@@ -371,3 +371,17 @@ def test_paged_layer_attend_names_mismatched_new_keys():
     paged.layer_attend(jnp.zeros((1, 1, 4, 8)), pool, pool, table, jnp.zeros((1,), jnp.int32),
                        jnp.zeros((1, 1, 3, 8)), jnp.zeros((1, 1, 3, 8)), scale=None,
                        implementation=None)
+
+
+@pytest.mark.parametrize("kind", ["stacked", "int8"])
+def test_whole_layer_decoder_refuses_caches_it_cannot_write(kind):
+  """A decoder of whole layers (``Decoder.layer``, the tensor-parallel one)
+  writes per-layer float arrays: a stacked or a quantized cache is an error
+  before any layer runs, not a silent copy or a cast without scales."""
+  cache = KVCache.create(2, 1, 32, 2, 16, jnp.int8 if kind == "int8" else jnp.float32,
+                         stacked=kind == "stacked")
+  never = lambda *args: pytest.fail("a layer ran")
+  decoder = offload.Decoder(embed=never, attention_inputs=None, attention_output=None,
+                            head=never, layer=never)
+  with pytest.raises(ValueError, match="not a PagedKVCache, a quantized or a stacked cache"):
+    offload.decode_step(decoder, [None, None], None, cache, np.zeros((1, 1), np.int32))

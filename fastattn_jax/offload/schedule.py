@@ -158,10 +158,11 @@ def decode_step(decoder: Decoder, layer_params: Sequence[Any], top: Any,
     raise ValueError(f"decode_step: a KV cache of {cache.num_layers} layers for {L} layers of "
                      f"parameters")
   T = tokens.shape[1]
-  if decoder.layer is not None and (isinstance(cache, PagedKVCache) or
-                                    getattr(cache, "k_scale", ())):
+  if decoder.layer is not None and (isinstance(cache, PagedKVCache) or (
+      isinstance(cache, KVCache) and (cache.stacked or len(cache.k_scale) > 0))):
     raise ValueError("decode_step: a decoder of whole layers (Decoder.layer) runs over a "
-                     "KVCache of floats, not a PagedKVCache or a quantized cache")
+                     "KVCache of floats in per-layer arrays, not a PagedKVCache, a quantized "
+                     "or a stacked cache")
   if isinstance(cache, (KVCache, PagedKVCache)):
     checked = cache.check_room(T)
     if checked:
