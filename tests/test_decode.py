@@ -248,11 +248,14 @@ def test_decode_never_reads_past_the_lengths():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, cc=90, **features):
+def _h100_launch(B, T, S, N, K, H, dtype=jnp.bfloat16, blocks_per_sm=0, cc=90, kv_dtype=None,
+                 **features):
   """The owner's plan (csrc/cuda/variants.h) for a call on the sm80 kernels of
   an H100 (compute capability 90, 132 multiprocessors), or of compute
-  capability `cc` with as many multiprocessors: no GPU needed."""
-  plan = cuda.plan("cuda_sm80", AttentionConfig(scale=0.1), (B, T, N, H), (B, S, K, H), dtype,
+  capability `cc` with as many multiprocessors, over a `kv_dtype` cache
+  (int8, float8: quantized): no GPU needed."""
+  config = AttentionConfig(scale=0.1, has_kv_scales=kv_dtype is not None)
+  plan = cuda.plan("cuda_sm80", config, (B, T, N, H), (B, S, K, H), dtype, kv_dtype=kv_dtype,
                    **features)
   return dict(_ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(
       plan, (B, T, N, H), (B, S, K, H)), cc, 132, blocks_per_sm), decode=plan["decode_rows"])
@@ -264,7 +267,8 @@ def test_decode_kernel_rules():
   test_decode_rows has the row rules), and its partition: the
   heads' key steps dealt out evenly to a whole number of blocks per head,
   as many as pay for their fixed cost, a workspace slot per (block, head)
-  segment; on sm_90, up to 16 blocks per head become 8 in a cluster."""
+  segment; on sm_90, up to 16 blocks per head become 8 in a cluster (not
+  for a quantized cache)."""
   assert _h100_launch(1, 1, 4096, 32, 8, 128)["decode"] == 4
   assert _h100_launch(4, 2, 100, 8, 2, 64)["decode"] == 8
   assert _h100_launch(4, 3, 100, 8, 2, 64)["decode"] == 16
@@ -285,6 +289,10 @@ def test_decode_kernel_rules():
   for cc, cluster in ((80, 1), (90, 2)):
     plan = _h100_launch(8, 1, 1 << 16, 32, 8, 128, blocks_per_sm=1, cc=cc)
     assert plan["blocks"] == 128 and plan["cluster"] == cluster
+  # A quantized cache's walk runs at its issue rate: every block the cost
+  # model asks for (16 per head), none folded into clusters.
+  plan = _h100_launch(1, 1, 1 << 15, 32, 8, 128, blocks_per_sm=1, kv_dtype=jnp.int8)
+  assert plan["blocks"] == 128 and plan["cluster"] == 1
   # One head: more blocks than a cluster holds.
   plan = _h100_launch(1, 1, 1 << 16, 8, 1, 128, blocks_per_sm=1)
   assert plan["blocks"] == 128 and plan["cluster"] == 1

@@ -286,9 +286,12 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // 358.4, 8 per head in clusters 12.7 / 29.3 / 97.2 / 348.8; B = 8, 2 per
     // head, S = 4K / 64K: 54.8 / 703.2, in clusters 52.8 / 698.4. (With
     // ragged lengths the kernel finds the shares off the clusters' bounds
-    // and merges through the workspace.)
+    // and merges through the workspace.) Not so a quantized cache's walk:
+    // its blocks run at their issue rate, not at the memory's, so half as
+    // many take twice as long (B = 1, S = 32K on the H200: 64 blocks in
+    // clusters of 8 ran at 23 GB/s each, as 128 did at B = 8).
     const int64_t most = fa_decode_cluster_max(v.kernel_sm, v.decode_rows, cc);
-    if (most > 1 && best <= 2 * most) {
+    if (most > 1 && best <= (v.kv_quant ? 1 : 2) * most) {
       best = std::min(best, most);
       l.cluster = static_cast<int>(best);
     }
