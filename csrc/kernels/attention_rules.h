@@ -89,12 +89,22 @@ FA_HOST_DEVICE void fa_rows_keys(const FaRules& r, I q_len, I kv_len, I m0, I m1
   fa_row_keys(r, q_len, kv_len, m1 - 1, &unused, hi);
 }
 
+// The keys [*lo, *hi) that every row of [m0, m1) sees (empty if some row
+// past q_len, or none, is in the range).
+template <class I>
+FA_HOST_DEVICE void fa_common_keys(const FaRules& r, I q_len, I kv_len, I m0, I m1, I* lo, I* hi) {
+  *lo = 0;
+  *hi = 0;
+  if (m1 > q_len || m1 <= m0) return;
+  I unused;
+  fa_row_keys(r, q_len, kv_len, m1 - 1, lo, &unused);
+  fa_row_keys(r, q_len, kv_len, m0, &unused, hi);
+}
+
 // Whether every row of [m0, m1) sees every key of [n0, n1).
 template <class I>
 FA_HOST_DEVICE bool fa_all_visible(const FaRules& r, I q_len, I kv_len, I m0, I m1, I n0, I n1) {
-  if (m1 > q_len || m1 <= m0) return false;
-  I lo, hi, unused;
-  fa_row_keys(r, q_len, kv_len, m1 - 1, &lo, &unused);
-  fa_row_keys(r, q_len, kv_len, m0, &unused, &hi);
-  return n0 >= lo && n1 <= hi;
+  I lo, hi;
+  fa_common_keys(r, q_len, kv_len, m0, m1, &lo, &hi);
+  return lo < hi && n0 >= lo && n1 <= hi;
 }

@@ -104,11 +104,12 @@ struct FaIf<false, A, B> {
 using KvElem = typename FaIf<kQuant, unsigned char, unsigned short>::type;
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
-// Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
-// per warp while the other is computed) and as many warps (up to 8) as
-// shared memory allows. Measured on the H100 at H = 128 (B = 1 / 8, S = 4K
-// and 256K): 8 warps x 2 stages beat 4 warps x 3, 4, 5 or 6 stages and 8 x
-// 3, by up to 9% at S = 4K and 1-2% at 256K.
+// Warps (fa_decode_warps, attention_tiles.cuh): on build 80, two stages of
+// a 16-bit cache (one tile in flight per warp while the other is computed)
+// and 8 warps where shared memory allows, 12 where the walk is bound by its
+// latencies (a quantized cache, more than 16 rows). Measured on the H100 at
+// H = 128 (B = 1 / 8, S = 4K and 256K): 8 warps x 2 stages beat 4 warps x 3,
+// 4, 5 or 6 stages and 8 x 3, by up to 9% at S = 4K and 1-2% at 256K.
 constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
 // Build 80 above 16 rows: warp w takes rows [16 rg, 16 rg + 16) (rg = w %
@@ -184,6 +185,9 @@ __device__ __forceinline__ void merge_stats(float& m, float& l, float m_o, float
 struct DecodeBlock {
   int b, kvh, G, rows, kv_len, k0, k1;
   bool per_row;      // rules beyond [k0, k1): causal among several rows, windows
+  // The keys [whole_lo, whole_hi) below k1 that every row sees
+  // (fa_common_keys): a tile inside needs no test per key.
+  int whole_lo, whole_hi;
   // Build 80: fa_units(scale), or fa_units(1) under a soft cap; build 75:
   // log2 units, {ln 2, 1}.
   FaUnits units;
@@ -540,7 +544,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       v_mult[i] = __uint_as_float(vs.w[i]) * v_unit;
     }
     const int key0 = tile_key(n);
-    const bool edge = d.per_row || key0 + kTileKeys > d.k1;
+    const bool edge = key0 < d.whole_lo || key0 + kTileKeys > d.whole_hi;
     // x[half][i]: row g + 8 half, key key0 + 4 t4 + i.
     float x[kHalves][4];
     unsigned pa[4] = {0u, 0u, 0u, 0u};  // P times v_mult as the A operand of P V
@@ -725,7 +729,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
       fa_mma16(s[1], qa[kk], b[2], b[3]);
     }
     const int key0 = tile_key(n);
-    const bool edge = d.per_row || key0 + kTileKeys > d.k1;
+    const bool edge = key0 < d.whole_lo || key0 + kTileKeys > d.whole_hi;
     // x[half][i]: row g + 8 half, key key0 + 8 (i / 2) + 2 t4 + i % 2.
     float x[kHalves][4];
     unsigned pa[4] = {0u, 0u, 0u, 0u};  // P as the A operand of P V
@@ -875,7 +879,7 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
         for (int r = 0; r < kRows; ++r) x[u][r] += __shfl_xor_sync(0xffffffffu, x[u][r], off);
       }
     }
-    const bool edge = d.per_row || it + kBc > d.k1;
+    const bool edge = it < d.whole_lo || it + kBc > d.whole_hi;
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
 #pragma unroll
@@ -941,6 +945,8 @@ extern "C" __constant__ int fa_params_bytes = sizeof(FaDecodeParams);
 #if FA_KERNEL_SM >= 80
 // One block per multiprocessor is the design point (kWarps fills shared
 // memory); without the 1, ptxas capped H = 96 at 128 registers and spilled.
+// At 12 warps it caps the walk at 168 registers (16 bytes spilled at H =
+// 128); two blocks of 8 warps at 128 registers spilled 300-490 bytes.
 #define FA_DECODE_BOUNDS __launch_bounds__(kThreads, 1)
 #else
 #define FA_DECODE_BOUNDS __launch_bounds__(kThreads)
@@ -1047,6 +1053,8 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     d.kv_len = fa_kv_len(p, d.b);
     d.k0 = min(s_lean.hi, s_lean.lo + s0 * kBc);
     d.k1 = min(s_lean.hi, s_lean.lo + s1 * kBc);
+    fa_common_keys(p.rules, p.T, d.kv_len, 0, p.T, &d.whole_lo, &d.whole_hi);
+    d.whole_hi = min(d.whole_hi, d.k1);
     d.pages = kPaged ? p.paged.block_table + (long long)d.b * p.paged.max_pages : nullptr;
     const long long kv_at = fa_at(p.kv_stride, kPaged ? 0 : d.b, 0, d.kvh);
     d.k_head = static_cast<const KvElem*>(p.k) + kv_at;
