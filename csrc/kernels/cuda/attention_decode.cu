@@ -104,12 +104,11 @@ struct FaIf<false, A, B> {
 using KvElem = typename FaIf<kQuant, unsigned char, unsigned short>::type;
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
-// Warps (fa_decode_warps, attention_tiles.cuh): on build 80, two stages of
-// a 16-bit cache (one tile in flight per warp while the other is computed)
-// and 8 warps where shared memory allows, 12 where the walk is bound by its
-// latencies (a quantized cache, more than 16 rows). Measured on the H100 at
-// H = 128 (B = 1 / 8, S = 4K and 256K): 8 warps x 2 stages beat 4 warps x 3,
-// 4, 5 or 6 stages and 8 x 3, by up to 9% at S = 4K and 1-2% at 256K.
+// Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
+// per warp while the other is computed) and as many warps (up to 8) as
+// shared memory allows. Measured on the H100 at H = 128 (B = 1 / 8, S = 4K
+// and 256K): 8 warps x 2 stages beat 4 warps x 3, 4, 5 or 6 stages and 8 x
+// 3, by up to 9% at S = 4K and 1-2% at 256K.
 constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
 // Build 80 above 16 rows: warp w takes rows [16 rg, 16 rg + 16) (rg = w %
@@ -945,8 +944,6 @@ extern "C" __constant__ int fa_params_bytes = sizeof(FaDecodeParams);
 #if FA_KERNEL_SM >= 80
 // One block per multiprocessor is the design point (kWarps fills shared
 // memory); without the 1, ptxas capped H = 96 at 128 registers and spilled.
-// At 12 warps it caps the walk at 168 registers (16 bytes spilled at H =
-// 128); two blocks of 8 warps at 128 registers spilled 300-490 bytes.
 #define FA_DECODE_BOUNDS __launch_bounds__(kThreads, 1)
 #else
 #define FA_DECODE_BOUNDS __launch_bounds__(kThreads)

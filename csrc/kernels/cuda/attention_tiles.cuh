@@ -122,7 +122,7 @@ constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
 // --- attention_decode.cu ------------------------------------------------------------
 
 // Build 80: each warp streams tiles of 16 keys through its own ring of
-// kFaDecodeStages stages, as many warps as shared memory allows
+// kFaDecodeStages stages, as many warps (up to 8) as shared memory allows
 // (fa_decode_warps). Above 16 rows the rows split into row groups of one m16
 // tile each, a warp per row group, and the warps of one key group (one per
 // row group) share a ring: each copies its part of every tile, and all read
@@ -139,48 +139,35 @@ FA_TILE_FN int fa_decode_tile_bytes(int h) {
 }
 // A quantized cache (int8 or float8 values, float32 scales): a stage holds
 // the tile's K and V rows of h bytes (unpadded: the swizzle differs,
-// attention_decode.cu) and its 16 K then 16 V scales; three stages a warp
-// at 12 warps, else four (twice the 16-bit ring's: the same bytes in flight).
+// attention_decode.cu) and its 16 K then 16 V scales; twice the stages of a
+// 16-bit ring, so the bytes in flight of K and V stay the same (a warp's
+// walk at B = 1 is latency-bound: half the bytes in flight would be half
+// the bandwidth).
 FA_TILE_FN int fa_decode_stage_bytes(int h, int quant) {
   return quant ? 2 * kFaDecodeTileKeys * (h + 4) : 2 * fa_decode_tile_bytes(h);
 }
-FA_TILE_FN int fa_decode_warp_stages(int quant, int warps) {
-  return !quant ? kFaDecodeStages : warps == 12 ? 3 : 2 * kFaDecodeStages;
-}
+FA_TILE_FN int fa_decode_warp_stages(int quant) { return quant ? 2 * kFaDecodeStages : kFaDecodeStages; }
 FA_TILE_FN int fa_decode_ring_bytes(int warps, int h, int quant) {
-  return warps * fa_decode_warp_stages(quant, warps) * fa_decode_stage_bytes(h, quant);
+  return warps * fa_decode_warp_stages(quant) * fa_decode_stage_bytes(h, quant);
 }
-// Warps a block of build 80 runs: 12 (ptxas then caps the walk at 168
-// registers) where the walk is bound by its chain of latencies, not by the
-// memory: a quantized cache, and above 16 rows; else 8; fewer where shared
-// memory is short. One block per multiprocessor either way. Measured in A/B
-// runs (N = 32, K = 8, H = 128, S = 32K, us per call, 8 warps -> 12): a
-// 16-bit cache at 32 / 64 rows, B = 8: H200 393 -> 325, 745 -> 590, H100
-// 392 -> 384, 737 -> 589; an int8 cache, H200: B = 8, T = 4 249 -> 203 (4
-// stages: 217), B = 1, T = 1, S = 128K 99 -> 95; H100, B = 1, T = 1: 0-6%
-// slower (int8 40.9 -> 41.9), B = 8 the same. A 16-bit cache up to 16 rows
-// keeps 8: 12 were 4-6% slower on the H100 at B = 1 (53.7 -> 57.0), up to
-// 10% faster on the H200, the same at B = 8 on both.
-FA_TILE_FN int fa_decode_warps(int build, int rows, int h, int cc, int quant) {
+FA_TILE_FN int fa_decode_warps(int build, int h, int cc, int quant) {
   // Shared memory a block may take, less its static arrays (8 KB).
   const int budget = (cc == 80 || cc == 87 ? 163 : cc >= 90 ? 227 : 99) * 1024 - 8 * 1024;
-  const bool latency_bound = quant || rows > 16;
-  return build == 75                                                   ? 4
-       : latency_bound && fa_decode_ring_bytes(12, h, quant) <= budget ? 12
-       : fa_decode_ring_bytes(8, h, quant) <= budget                   ? 8
-       : fa_decode_ring_bytes(4, h, quant) <= budget                   ? 4
-                                                                       : 2;
+  return build == 75                                         ? 4
+       : fa_decode_ring_bytes(8, h, quant) <= budget ? 8
+       : fa_decode_ring_bytes(4, h, quant) <= budget ? 4
+                                                     : 2;
 }
 FA_TILE_FN int fa_decode_row_groups(int build, int rows) {
   return build == 80 && rows > 16 ? rows / 16 : 1;
 }
 FA_TILE_FN int fa_decode_key_groups(int build, int rows, int h, int cc, int quant) {
-  const int warps = fa_decode_warps(build, rows, h, cc, quant) / fa_decode_row_groups(build, rows);
+  const int warps = fa_decode_warps(build, h, cc, quant) / fa_decode_row_groups(build, rows);
   return warps > 1 ? warps : 1;
 }
 FA_TILE_FN int fa_decode_stages(int build, int rows, int h, int cc, int quant) {
-  const int warps = fa_decode_warps(build, rows, h, cc, quant);
-  return fa_decode_warp_stages(quant, warps) * warps / fa_decode_key_groups(build, rows, h, cc, quant);
+  return fa_decode_warp_stages(quant) * fa_decode_warps(build, h, cc, quant) /
+         fa_decode_key_groups(build, rows, h, cc, quant);
 }
 // Build 75: lanes sharing one key (each holds a 16-byte chunk of its rows),
 // and the load steps issued ahead into registers, by rows per block (more
