@@ -117,8 +117,10 @@ def test_unknown_arch_and_bad_variant_raise(cache):
     cuda.compile_variant(_key(90, 64, "bfloat16", "bfloat16"), 100)
   with pytest.raises(RuntimeError, match="decode_rows must be"):
     cuda.compile_variant(_key(75, 128, "bfloat16", "bfloat16", decode_rows=3), 70)
-  with pytest.raises(RuntimeError, match="sm 75 or 80"):
+  with pytest.raises(RuntimeError, match="sm 75, 80 or 90"):
     cuda.compile_variant(_key(70, 128, "float16", "float16", decode_rows=4), 70)
+  with pytest.raises(RuntimeError, match="more than 16 rows"):
+    cuda.compile_variant(_key(90, 128, "bfloat16", "bfloat16", decode_rows=16), 90)
   with pytest.raises(ValueError, match="no kernel variant"):
     _ffi.cuda_variant(_key(80, 48, "float16", "float16"))
 
@@ -163,6 +165,34 @@ def test_paged_decode_is_its_own_build(cache):
                                                    DTYPE_CODES["bfloat16"], False, rows, True),
                              cc)
     assert r["cubin_bytes"] > 0 and precompile.spills(r["log"]) == 0, r["log"]
+
+
+def test_decode_build_90_serves_many_rows_on_sm90(cache):
+  """On the sm90 path the decode kernel's wgmma build (90) serves more than 16
+  rows per key/value head of a 16-bit cache, contiguous or paged, at kernel
+  head dims rounded to 64; up to 16 rows, quantized caches and the sm80 path
+  keep build 80. Build 90 compiles for sm_90a without spills."""
+  config = AttentionConfig(scale=0.1, is_causal=True, end_aligned=True, has_kv_lens=True)
+  k = (2, 4096, 8, 96)
+  for implementation, T, build, rows in (("cuda_sm90", 4, 80, 16), ("cuda_sm90", 5, 90, 32),
+                                         ("cuda_sm90", 16, 90, 64), ("cuda_sm80", 16, 80, 64)):
+    plan = cuda.plan(implementation, config, (2, T, 32, 96), k, jnp.bfloat16)
+    assert (plan["kernel_sm"], plan["decode_rows"]) == (build, rows)
+    assert plan["head_dim"] == (128 if build == 90 else 96)
+  quantized = dataclasses.replace(config, has_kv_scales=True)
+  assert cuda.plan("cuda_sm90", quantized, (2, 16, 32, 128), (2, 4096, 8, 128), jnp.bfloat16,
+                   kv_dtype=jnp.int8)["kernel_sm"] == 80
+  paged = dataclasses.replace(config, has_block_table=True)
+  assert cuda.plan("cuda_sm90", paged, (2, 16, 32, 128), (2, 4096, 8, 128),
+                   jnp.bfloat16)["kernel_sm"] == 90
+  if tu.has_gpu():
+    return  # the GPU suite compiles for its own arch
+  for rows, h, paged_build in ((32, 64, False), (64, 128, True), (64, 192, False),
+                               (32, 256, True)):
+    r = cuda.compile_variant(_ffi.cuda_variant_key(90, h, DTYPE_CODES["bfloat16"],
+                                                   DTYPE_CODES["bfloat16"], False, rows,
+                                                   paged_build), 90)
+    assert r["target"] == "sm_90a" and precompile.spills(r["log"]) == 0, r["log"]
 
 
 def test_quantized_decode_is_its_own_build(cache):

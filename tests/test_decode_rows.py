@@ -86,3 +86,25 @@ def test_decode_rows_rule():
   rows, launch = _plan("cuda_sm80", 16, 32, 8, 256, cc=86)
   assert (rows, launch["threads"], launch["Bc"]) == (64, 128, 16)
   assert launch["smem_bytes"] <= 99 * 1024
+
+
+def test_decode_build_90_plan():
+  """Build 90 (the sm90 path above 16 rows): two warpgroups, each a key group
+  of 64 rows walking tiles of 64 keys (32 at H = 256); one sequence's 8 heads
+  split 8 ways in clusters of 8 (merged over the ranks) while a block's share
+  is at most 8192 keys, else 16 ways through the workspace; 8 sequences in
+  clusters of 2 at any length."""
+  for T, rows in ((8, 32), (16, 64)):
+    got, launch = _plan("cuda_sm90", T, 32, 8, 128)
+    assert (got, launch["threads"], launch["Bc"], launch["cluster"]) == (rows, 256, 128, 8)
+    assert launch["blocks"] == 64 and launch["smem_bytes"] <= 227 * 1024
+  _, launch = _plan("cuda_sm90", 16, 32, 8, 128, S=1 << 17)
+  assert (launch["blocks"], launch["cluster"], launch["counters"]) == (128, 1, 8)
+  _, launch = _plan("cuda_sm90", 16, 32, 8, 256)
+  assert (launch["Bc"], launch["cluster"]) == (64, 8) and launch["smem_bytes"] <= 227 * 1024
+  for S in (1 << 15, 1 << 17):
+    plan = cuda.plan("cuda_sm90", AttentionConfig(scale=0.1, is_causal=True, end_aligned=True),
+                     (8, 16, 32, 128), (8, S, 8, 128), jnp.bfloat16)
+    launch = _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(
+        plan, (8, 16, 32, 128), (8, S, 8, 128)), 90, 132, 1)
+    assert (plan["kernel_sm"], launch["blocks"], launch["cluster"]) == (90, 128, 2)

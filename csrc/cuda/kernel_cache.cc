@@ -238,7 +238,7 @@ bool GetCompiledKernel(const KernelVariant& v, int cc, CompiledKernel* out, std:
   }
   // wgmma exists only in the arch-specific sm_90a target, whose code runs on
   // compute capability 9.0 alone.
-  const bool arch_specific = v.kernel_sm == 90 && !v.decode_rows;
+  const bool arch_specific = v.kernel_sm == 90;
   if (arch_specific && !fa_runs_on(v.kernel_sm, cc)) {
     *error = v.Describe() + " runs on " + NvrtcTarget(v.kernel_sm) + " (H100, H200) only, not " +
              NvrtcTarget(cc);

@@ -24,6 +24,8 @@ constexpr int64_t kMaxSplits = 64;
 // most blocks per head.
 constexpr int64_t kDecodeSplitCostKeys = 512;
 constexpr int64_t kMaxDecodeSplits = 128;
+// Build 90's most keys per block in a cluster (below, PlanLaunch).
+constexpr int64_t kDecodeWgClusterKeys = 8192;
 
 int64_t CeilDiv(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
@@ -46,9 +48,9 @@ std::string KernelVariant::Describe() const {
 
 std::string KernelVariant::Check() const {
   if (head_dim < 32 || head_dim > kFaMaxHeadDim ||
-      head_dim != fa_kernel_head_dim(decode_rows ? 80 : kernel_sm, head_dim)) {
-    return "head_dim must be a multiple of " +
-           std::to_string(kernel_sm == 90 && !decode_rows ? 64 : 32) + " in [32, " +
+      head_dim != fa_kernel_head_dim(kernel_sm, head_dim)) {
+    return "head_dim must be a multiple of " + std::to_string(kernel_sm == 90 ? 64 : 32) +
+           " in [32, " +
            std::to_string(kFaMaxHeadDim) + "]";
   }
   if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be f16 or bf16";
@@ -71,13 +73,16 @@ std::string KernelVariant::Check() const {
     return "";
   }
   if (decode_rows) {
-    if ((kernel_sm != 75 && kernel_sm != 80) || extras) {
-      return "the decode kernel is built for sm 75 or 80, without extras";
+    if ((kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) || extras) {
+      return "the decode kernel is built for sm 75, 80 or 90, without extras";
     }
     if (decode_rows != fa_decode_rows(kernel_sm, decode_rows)) {
       return "decode_rows must be a power of two up to " +
              std::to_string(fa_decode_max_rows(kernel_sm)) + " on decode build " +
              std::to_string(kernel_sm);
+    }
+    if (kernel_sm != fa_decode_build(kernel_sm, decode_rows, kv_quant)) {
+      return "decode build 90 serves more than 16 rows of a 16-bit cache only";
     }
     return "";
   }
@@ -191,14 +196,16 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     return "";
   }
   const bool operands = c.bias || c.mask || c.q_lens;
-  const int rows = fa_decode_rows(fa_decode_build(kernel_sm), c.T * G);
-  if (!operands && c.S > 0 && rows > 0 &&
-      !(c.for_backward && fa_decode_build(kernel_sm) == 75)) {
+  const int rows = fa_decode_rows(kernel_sm, c.T * G);
+  // Build 80 reads a quantized cache in place at H a multiple of 16.
+  const int quant = kernel_sm >= 80 && c.H % 16 == 0 ? c.kv_quant : 0;
+  const int build = fa_decode_build(kernel_sm, rows, quant);
+  if (!operands && c.S > 0 && rows > 0 && !(c.for_backward && build == 75)) {
     // The decode kernel reads bfloat16 on every GPU (its sm75 build on CUDA cores).
-    v.kernel_sm = fa_decode_build(kernel_sm);
+    v.kernel_sm = build;
     v.decode_rows = rows;
     v.paged = c.paged;
-    v.kv_quant = v.kernel_sm == 80 && c.H % 16 == 0 ? c.kv_quant : 0;
+    v.kv_quant = quant;
     v.dtype = plan->operand_dtype = c.dtype == kFaBF16 ? kFaBF16 : kFaF16;
     v.head_dim = fa_kernel_head_dim(v.kernel_sm, plan->row_elements);
     return "";
@@ -291,7 +298,17 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     // many take twice as long (B = 1, S = 32K on the H200: 64 blocks in
     // clusters of 8 ran at 23 GB/s each, as 128 did at B = 8).
     const int64_t most = fa_decode_cluster_max(v.kernel_sm, v.decode_rows, cc);
-    if (most > 1 && best <= (v.kv_quant ? 1 : 2) * most) {
+    // Build 90 (wgmma, above 16 rows) merges its clusters' rows spread over
+    // the ranks; where clusters would mean fewer blocks, it takes them only
+    // while a block's share stays within kDecodeWgClusterKeys: its walk
+    // streams at most about 43 GB/s per block (latency-bound, two tiles in
+    // flight per warpgroup), so half as many blocks are slower on long
+    // caches, where the workspace merge's fixed cost matters less. Measured
+    // on one H200, B = 1, T = 16 (64 rows), 16 blocks per head against 8 in
+    // clusters: S = 32K 70.0 / 60.7 us, S = 128K 165.0 / 193.6 us.
+    const bool cluster_fits = v.kernel_sm != 90 || best <= most ||
+                              CeilDiv(unit_steps, most) * l.tile.Bc <= kDecodeWgClusterKeys;
+    if (most > 1 && cluster_fits && best <= (v.kv_quant ? 1 : 2) * most) {
       best = std::min(best, most);
       l.cluster = static_cast<int>(best);
     }
@@ -369,9 +386,9 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
             add_kernel(kernel, backward, dtype, h);
           }
         }
-        for (int rows = 1; rows <= fa_decode_max_rows(fa_decode_build(kernel_sm)); rows *= 2) {
+        for (int rows = 1; rows <= fa_decode_max_rows(kernel_sm); rows *= 2) {
           KernelVariant v;
-          v.kernel_sm = fa_decode_build(kernel_sm);
+          v.kernel_sm = fa_decode_build(kernel_sm, rows, 0);
           v.head_dim = fa_kernel_head_dim(v.kernel_sm, h);
           v.dtype = dtype == kFaBF16 ? kFaBF16 : kFaF16;
           v.out_dtype = dtype;

@@ -21,7 +21,7 @@ namespace fastattn::cuda {
 // One compiled specialization of a kernel (attention_common.cuh lists what
 // each field turns into).
 struct KernelVariant {
-  int kernel_sm = 80;   // 70, 75, 80, 90; the decode kernel: its build, 75 or 80
+  int kernel_sm = 80;   // 70, 75, 80, 90; the decode kernel: its build, 75, 80 or 90
   int head_dim = 128;   // the kernel head dim (fa_kernel_head_dim)
   int dtype = kFaF16;   // q, k, v: kFaF16 or kFaBF16 (kernels/attention_dtypes.h)
   int out_dtype = kFaF16;

@@ -16,7 +16,7 @@
 // Its warps take turns over a segment's keys and each keeps its own online
 // softmax (FlashAttention-2); above 16 rows (build 80) the warps of a key
 // group take 16 rows each of the same keys, which they load together into
-// one shared ring (attention_tiles.cuh). Two builds of that walk:
+// one shared ring (attention_tiles.cuh). Three builds of that walk:
 //
 // Build 80 (the sm_80 and sm_90 paths), tensor cores: each warp copies tiles
 // of kTileKeys keys into its own shared-memory ring with cp.async, one tile
@@ -25,6 +25,18 @@
 // registers as the A operand of P V. About 10 warp instructions per key at
 // H = 128, where the lane-split dot products of the CUDA-core walk took 75
 // and made it issue-bound (2.7 TB/s at best on the H100).
+//
+// Build 90 (the sm_90 path above 16 rows; sm_90a), warpgroup tensor cores:
+// each of the block's two warpgroups is a key group of 64 rows (one wgmma
+// m64 tile, zeros past the block's rows) and walks tiles of 64 keys (32 at H
+// = 256), copied by its threads with cp.async into its own ring of
+// 128-byte-swizzled panels; S = Q K^T reads Q's rows from shared memory, P V
+// takes P from registers, as in the forward kernel 90 (attention_wgmma.cu).
+// Where build 80 has each of four warps repeat a tile's softmax
+// bookkeeping and issue 32 mma.sync for its 16 rows, a warpgroup issues 12
+// wgmma per 64 keys and rescales O once: at 64 rows build 80 was
+// issue-bound (B = 8, S = 32K, H = 128 on an H200: 549 us against 246 at
+// one token, build 90 261).
 //
 // Build 75 (the sm_70 and sm_75 paths; sm_75 has no bfloat16 mma), CUDA
 // cores in float32: kLanesPerKey lanes share one key, each holding a 16-byte
@@ -47,7 +59,10 @@
 // clusters' bounds, and the segments write their partial states into rank
 // 0's shared memory, which merges them (in the H100's jitted loops, 1.5-2.5
 // us less per call than the workspace's fence, counter and L2 round trip:
-// PlanLaunch). Otherwise the same launch merges through the workspace.
+// PlanLaunch); build 90's 64 rows by 8 segments would not fit there, so each
+// segment keeps its own and every rank merges a share of the rows from all
+// of them (PlanLaunch says when build 90 takes clusters). Otherwise the same
+// launch merges through the workspace.
 // The index rules (end-aligned causal among the T rows, window, key lengths)
 // are attention_rules.h's.
 //
@@ -81,11 +96,15 @@
 // Compile-time options beyond attention_common.cuh's: FA_DECODE_ROWS (a
 // power of two up to fa_decode_max_rows), the rows a block holds;
 // FA_DECODE_PAGED 0 or 1, a contiguous or paged cache; FA_KV_QUANT 0, FA_I8
-// or FA_F8E4M3, a 16-bit or a quantized cache;
-// FA_KERNEL_SM 75 or 80, the build. Any scale and the soft cap are handled
+// or FA_F8E4M3, a 16-bit or a quantized cache (build 80);
+// FA_KERNEL_SM 75, 80 or 90, the build (fa_decode_build). Any scale and the soft cap are handled
 // at run time; bias and mask are not supported (the host never sends them
 // here). H need only be a multiple of 8 up to FA_HEAD_DIM.
+#if FA_KERNEL_SM == 90
+#include "attention_wgmma.cuh"  // kH, kChunks, the wgmma wrappers and swizzle
+#else
 #include "attention_m16n8.cuh"
+#endif
 
 namespace {
 
@@ -102,8 +121,10 @@ struct FaIf<false, A, B> {
 };
 // A K or V element as the kernel reads it from memory.
 using KvElem = typename FaIf<kQuant, unsigned char, unsigned short>::type;
+#if FA_KERNEL_SM != 90
 constexpr int kH = FA_HEAD_DIM;
 constexpr int kChunks = kH / 8;  // 16-byte chunks of a row
+#endif
 // Warps (attention_tiles.cuh): on build 80, two stages (one tile in flight
 // per warp while the other is computed) and as many warps (up to 8) as
 // shared memory allows. Measured on the H100 at H = 128 (B = 1 / 8, S = 4K
@@ -119,7 +140,19 @@ constexpr int kKeyGroups = kWarps / kRowGroups;
 constexpr int kSmemBytes = kTile.smem_bytes;
 // Most segments of a unit in one cluster (1: no clusters; attention_tiles.cuh).
 constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, kRows, kFaCc);
-#if FA_KERNEL_SM >= 80
+// Build 80's clusters merge in rank 0 (a slot per segment), build 90's in
+// every rank (one slot, its own segment's: fa_decode_cluster_slots).
+constexpr bool kSpreadMerge = fa_decode_cluster_slots(FA_KERNEL_SM, kRows, kFaCc) == 1;
+#if FA_KERNEL_SM == 90
+constexpr int kWgKeys = fa_decode_wg_keys(kH);  // keys per tile of a warpgroup
+constexpr int kStages = fa_decode_wg_stages(kH, kFaCc);
+constexpr int kKvBytes = kWgKeys * kH * 2;      // a tile of K, and again of V
+// A thread's 16-byte copies of a tile, of K and again of V.
+constexpr int kCopies = kWgKeys * kChunks / 128;
+static_assert(kKeyGroups == 2 && kThreads == 256 && kCopies * 128 == kWgKeys * kChunks &&
+                  kStages >= 2 && fa_decode_wg_q_bytes(kH) + 2 * kStages * kKvBytes <= kSmemBytes,
+              "two warpgroups, whose rings and Q fit the tile's shared memory");
+#elif FA_KERNEL_SM >= 80
 constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per tile (one k16 step of P V)
 // The m16 tile's halves that hold rows: rows 0..7 of the warp's (g), and
 // 8..15 (g + 8) when the block holds 16 or more.
@@ -228,6 +261,18 @@ struct DecodeBlock {
   __device__ long long lse_at(const FaDecodeParams& p, int r) const {
     return fa_at(p.lse_stride, b, r / G, kvh * G + r % G);
   }
+  // The keys [*lo, *hi) below k1 that row r sees (fa_row_keys).
+  __device__ __forceinline__ void row_keys(const FaDecodeParams& p, int r, int* lo,
+                                           int* hi) const {
+    *lo = 0;
+    *hi = k1;
+    if (per_row) {
+      int l, h;
+      fa_row_keys(p.rules, p.T, kv_len, r / G, &l, &h);
+      *lo = l;
+      *hi = min(h, k1);
+    }
+  }
   // The kept logit of row r and key j from the dot product (build 80: raw
   // q . k, soft-capped as the backward does it; build 75: already in log2
   // units), then the index rules on `edge`.
@@ -241,15 +286,17 @@ struct DecodeBlock {
       x = cap2 * fa_tanh(x / cap2);
 #endif
     }
-    if (edge && !(j < k1 && (!per_row || fa_visible(p.rules, p.T, kv_len, r / G, j)))) {
-      x = FA_NEG_INF;
+    if (edge) {
+      int lo, hi;
+      row_keys(p, r, &lo, &hi);
+      if (j < lo || j >= hi) x = FA_NEG_INF;
     }
     return x;
   }
 };
 
 #if FA_KERNEL_SM >= 80
-#if !FA_KV_QUANT
+#if FA_KERNEL_SM == 80 && !FA_KV_QUANT
 // Byte offset of chunk c of key j's row in a ring stage.
 __device__ __forceinline__ unsigned ring_at(int j, int c) {
   return (j * kRowChunks + (kSwizzled ? c ^ (j % 8) : c)) * 16;
@@ -266,7 +313,187 @@ __device__ __forceinline__ void group_sync(int group) {
   }
 }
 
-#if FA_KV_QUANT
+#if FA_KERNEL_SM == 90
+// Walks the block's keys on warpgroup tensor cores (build 90, see the top of
+// the file); leaves the same as the other walks. Warpgroup `group` takes the
+// tiles n * 2 + group of kWgKeys keys; its 128 threads copy each tile into
+// their ring, kStages - 1 ahead, and run S = Q K^T (Q's 64 rows from shared
+// memory), the online softmax of their rows g and g + 8 (the m64nN
+// accumulators are per warp those of mma.m16n8), and O += P V with P from
+// registers, as the forward kernel 90 does (attention_wgmma.cu).
+__device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeBlock& d,
+                                          float (*s_o)[kRows][kH], float (*s_m)[kRows],
+                                          float (*s_l)[kRows], Chunk* smem) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / 4, wt = threadIdx.x % 128;
+  // C fragment: rows g and g + 8 of the block, keys / columns 2 t4 + {0, 1}.
+  const int g = 16 * (warp % 4) + lane / 4, t4 = lane % 4;
+  const unsigned sq = (fa_smem_u32(smem) + 1023) & ~1023u;
+  const unsigned ring = sq + fa_decode_wg_q_bytes(kH) - 1024 + group * kStages * 2 * kKvBytes;
+
+  // Q's 64 rows into shared memory (zeros past the block's rows and H), one
+  // commit group ahead of the first tiles', whose loads its wait overlaps;
+  // the previous walk's readers of s_o, which lies here, passed a
+  // __syncthreads.
+#pragma unroll
+  for (int i = 0; i < 64 * kChunks / kThreads; ++i) {
+    const int c = kThreads * i + threadIdx.x, r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < d.rows && ch * 8 < p.H;
+    fa_cp_async16(sq + swz(64, r, ch),
+                  static_cast<const unsigned short*>(p.q) + (valid ? d.q_at(p, r) + ch * 8 : 0),
+                  valid);
+  }
+  fa_cp_async_commit();
+
+  const int tiles = d.k1 > d.k0 ? (d.k1 - d.k0 + kWgKeys - 1) / kWgKeys : 0;
+  const int my_tiles = tiles > group ? (tiles - group + kKeyGroups - 1) / kKeyGroups : 0;
+  const int h_chunks = p.H / 8;
+  auto tile_key = [&](int n) { return d.k0 + (n * kKeyGroups + group) * kWgKeys; };
+  // Copies this thread's part of tile n into ring stage n % kStages (zeros
+  // past the keys and past H), one commit group per call, empty past the
+  // last tile. Paged, a tile inside one page looks it up once; one across
+  // pages (pages of fewer keys than a tile, or a tile off their bounds)
+  // looks up each key's.
+  auto issue = [&](int n) {
+    if (n < my_tiles) {
+      const int key0 = tile_key(n);
+      const unsigned stage = ring + (n % kStages) * 2 * kKvBytes;
+      const int last = min(key0 + kWgKeys, d.k1) - 1;
+      const bool one_page = !kPaged || (key0 >> d.page_shift) == (last >> d.page_shift);
+      const long long first = one_page ? d.key_at(key0) : 0;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const int at = 128 * i + wt, key = at / kChunks, c = at % kChunks;
+        const bool valid = key0 + key < d.k1 && c < h_chunks;
+        const long long row = one_page ? first + key * d.key_stride : d.key_at(key0 + key);
+        const long long src = valid ? row + c * 8 : 0;
+        const unsigned dst = stage + swz(kWgKeys, key, c);
+        fa_cp_async16(dst, d.k_head + src, valid);
+        fa_cp_async16(dst + kKvBytes, d.v_head + src, valid);
+      }
+    }
+    fa_cp_async_commit();
+  };
+#pragma unroll
+  for (int n = 0; n < kStages - 1; ++n) issue(n);
+  fa_cp_async_wait<kStages - 1>();  // Q's group
+  fence_async_smem();
+  __syncthreads();
+
+  constexpr int kNs = kWgKeys / 8, kNo = kH / 8;  // n8 blocks of S and of O
+  float o[kNo][4];
+#pragma unroll
+  for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.f, 0.f};
+  for (int n = 0; n < my_tiles; ++n) {
+    fa_cp_async_wait<kStages - 2>();  // this thread's copies of tile n
+    fence_async_smem();               // ... visible to wgmma's reads
+    // Every thread's copies of tile n; every warp's reads of tile n - 1,
+    // whose stage the next copies refill.
+    group_sync(group);
+    issue(n + kStages - 1);
+    const unsigned kt = ring + (n % kStages) * 2 * kKvBytes, vt = kt + kKvBytes;
+    float s[kNs][4];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kH / 16; ++kk) {
+      // A k16 step is 32 bytes into a 128-byte row; every fourth starts the
+      // next panel.
+      wgmma_ss<kWgKeys>(&s[0][0], desc(sq + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, 1024),
+                        desc(kt + (kk >> 2) * kWgKeys * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence<kNs * 4>(&s[0][0]);
+
+    const int key0 = tile_key(n);
+    if (p.rules.softcap > 0.f) {
+#pragma unroll
+      for (int nb = 0; nb < kNs; ++nb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nb][i] = d.logit(p, s[nb][i], 0, 0, false);
+      }
+    }
+    if (key0 < d.whole_lo || key0 + kWgKeys > d.whole_hi) {
+      // A row sees one interval of keys (DecodeBlock::logit's rules): two
+      // compares an element.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        int lo = 0, hi = d.k1;
+        d.row_keys(p, g + 8 * half, &lo, &hi);
+#pragma unroll
+        for (int nb = 0; nb < kNs; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = key0 + 8 * nb + 2 * t4 + e;
+            if (j < lo || j >= hi) s[nb][2 * half + e] = FA_NEG_INF;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = m[half];
+#pragma unroll
+      for (int nb = 0; nb < kNs; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * half], s[nb][2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mu = mx == FA_NEG_INF ? 0.f : mx;
+      const float alpha = fa_weight(m[half], mu, d.units.to_log2);
+      m[half] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < kNs; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[nb][2 * half + e] = fa_weight(s[nb][2 * half + e], mu, d.units.to_log2);
+          sum += s[nb][2 * half + e];
+        }
+      }
+      l[half] = l[half] * alpha + sum;
+#pragma unroll
+      for (int nt = 0; nt < kNo; ++nt) {
+        o[nt][2 * half] *= alpha;
+        o[nt][2 * half + 1] *= alpha;
+      }
+    }
+    unsigned pa[kWgKeys / 16][4];  // P as wgmma A fragments
+#pragma unroll
+    for (int kk = 0; kk < kWgKeys / 16; ++kk) fa_pack_a(s, kk, pa[kk]);
+    reg_fence<kNo * 4>(&o[0][0]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgKeys / 16; ++kk) {
+      // V is N-major (H contiguous): LBO steps between 64-column panels, SBO
+      // between 8-key atoms.
+      wgmma_rs<kH>(&o[0][0], pa[kk], desc(vt + kk * 2048, kWgKeys * 128, 1024));
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence<kNo * 4>(&o[0][0]);
+  }
+  fa_cp_async_wait<0>();
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+  }
+  __syncthreads();  // s_o lies over Q and the rings
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    if (r < kRows) {
+#pragma unroll
+      for (int nt = 0; nt < kNo; ++nt) {
+        s_o[group][r][8 * nt + 2 * t4] = o[nt][2 * half];
+        s_o[group][r][8 * nt + 2 * t4 + 1] = o[nt][2 * half + 1];
+      }
+      if (t4 == 0) s_m[group][r] = m[half], s_l[group][r] = l[half];
+    }
+  }
+}
+#elif FA_KV_QUANT
 // --- a quantized cache (see the top of the file) ---
 constexpr int kQRowChunks = kH / 16;  // 16-byte chunks of a key's 8-bit row
 // Rows of whole 128-byte lines are XOR-swizzled by 32-byte pairs of chunks:
@@ -957,7 +1184,8 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
   // After s_o, on rank 0 of a cluster: its segments' rows, then their LSE.
   float* after = reinterpret_cast<float*>(smem) + kKeyGroups * kRows * kH;
   float(*slot_o)[kRows][kH] = reinterpret_cast<float(*)[kRows][kH]>(after);
-  float(*slot_lse)[kRows] = reinterpret_cast<float(*)[kRows]>(after + kClusterMax * kRows * kH);
+  float(*slot_lse)[kRows] = reinterpret_cast<float(*)[kRows]>(
+      after + fa_decode_cluster_slots(FA_KERNEL_SM, kRows, kFaCc) * kRows * kH);
   __shared__ float s_m[kKeyGroups][kRows], s_l[kKeyGroups][kRows];
 
   DecodeBlock d;
@@ -1071,7 +1299,7 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     const int unit = d.b * p.K + d.kvh;
     const long long slot = (long long)blockIdx.x + unit;
     // Rank 0's rings lie under its slots: every walk of the cluster is done.
-    if (clustered()) fa_cluster_sync();
+    if (clustered() && !kSpreadMerge) fa_cluster_sync();
     for (int i = threadIdx.x; i < d.rows * quads; i += kThreads) {
       const int r = i / quads, e = 4 * (i % quads);
       float mx = s_m[0][r], sum = s_l[0][r], a, c, x[4];
@@ -1090,10 +1318,14 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
       if (whole) {
         fa_store_quad(p.out, d.out_at(p, r) + e, x);
         if (e == 0) p.lse[d.lse_at(p, r)] = lse;
+      } else if (clustered() && kSpreadMerge) {
+#pragma unroll
+        for (int f = 0; f < 4; ++f) slot_o[0][r][e + f] = x[f];
+        if (e == 0) slot_lse[0][r] = lse;
       } else if (clustered()) {
         const int rank = blockIdx.x % s_lean.cluster;
-        fa_store_rank0(fa_rank0_address(&slot_o[rank][r][e]), x);
-        if (e == 0) fa_store_rank0(fa_rank0_address(&slot_lse[rank][r]), lse);
+        fa_store_rank0(fa_rank_address(&slot_o[rank][r][e], 0), x);
+        if (e == 0) fa_store_rank0(fa_rank_address(&slot_lse[rank][r], 0), lse);
       } else {
         fa_store_partial(p.split, p.H, slot, kRows, r, e, x, lse);
       }
@@ -1123,6 +1355,22 @@ extern "C" __global__ void FA_DECODE_BOUNDS fa_forward(const FaDecodeParams p) {
     }
     __syncthreads();
     if (s_lean.start >= s_lean.end) break;
+  }
+  if (clustered() && kSpreadMerge) {
+    // The block's one segment (of unit d.b, d.kvh) is in its slot 0, as is
+    // every rank's: rank k merges the k-th of the cluster's shares of the
+    // rows' quads, reading each rank's slot.
+    fa_cluster_sync();
+    const int cluster = s_lean.cluster, rank = blockIdx.x % cluster;
+    auto load = [&](int k, int r, int e, float& lse, float(&x)[4]) {
+      lse = fa_load_rank(fa_rank_address(&slot_lse[0][r], k));
+      fa_load_rank(fa_rank_address(&slot_o[0][r][e], k), x);
+    };
+    fa_merge_segments<kClusterMax>(
+        p, load, cluster, d.rows, rank * kThreads + threadIdx.x, cluster * kThreads,
+        [&](int r) { return d.out_at(p, r); }, [&](int r) { return d.lse_at(p, r); });
+    fa_cluster_sync();  // every rank's reads of this block's slot are done
+    return;
   }
   if (clustered()) {
     // The block's one segment (of unit d.b, d.kvh) is in rank 0's slots.

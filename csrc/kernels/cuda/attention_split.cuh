@@ -179,14 +179,30 @@ __device__ __forceinline__ void fa_cluster_sync() {
 #endif
 }
 
-// The address in rank 0's shared memory of the variable at `local` in this
-// block's (the same offset), for fa_store_rank0.
-__device__ __forceinline__ unsigned fa_rank0_address(const void* local) {
+// The address in the shared memory of the cluster's block `rank` of the
+// variable at `local` in this block's (the same offset), for fa_store_rank0
+// and fa_load_rank.
+__device__ __forceinline__ unsigned fa_rank_address(const void* local, unsigned rank) {
   unsigned remote = 0;
 #if __CUDA_ARCH__ >= 900
-  asm("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(fa_smem_u32(local)));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(fa_smem_u32(local)), "r"(rank));
 #endif
   return remote;
+}
+
+__device__ __forceinline__ void fa_load_rank(unsigned remote, float (&x)[4]) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(remote) : "memory");
+#endif
+}
+
+__device__ __forceinline__ float fa_load_rank(unsigned remote) {
+  float x = 0.f;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+#endif
+  return x;
 }
 
 __device__ __forceinline__ void fa_store_rank0(unsigned remote, const float (&x)[4]) {

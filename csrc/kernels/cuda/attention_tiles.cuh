@@ -11,7 +11,8 @@
 // cc they were written for (kernel_sm): 70 (mma.m8n8k4, attention_volta.cu),
 // 75 (mma.m16n8k8) and 80 (mma.m16n8k16 + cp.async, both attention_mma16.cu),
 // 90 (wgmma, attention_wgmma.cu); the decode kernel (attention_decode.cu) has
-// two builds, 75 (CUDA cores) and 80 (tensor cores + cp.async).
+// three builds, 75 (CUDA cores), 80 (mma.sync + cp.async) and 90 (wgmma +
+// cp.async, above 16 rows on the sm90 path).
 //
 // No includes: compiled by the host compiler and by NVRTC.
 #pragma once
@@ -42,22 +43,32 @@ FA_TILE_FN bool fa_runs_on(int kernel_sm, int cc) {
   return kernel_sm == 90 ? cc == 90 : cc >= kernel_sm;
 }
 
-// The decode build serving kernel `kernel_sm`: 80 (tensor cores, cp.async)
-// on the sm80 and sm90 paths, 75 (CUDA cores, float32) on sm70 and sm75.
-FA_TILE_FN int fa_decode_build(int kernel_sm) { return kernel_sm >= 80 ? 80 : 75; }
+// The most query rows per key/value head the decode kernel holds on the path
+// of kernel `kernel_sm` (or in decode build `kernel_sm`): 64 on the sm80 and
+// sm90 paths (builds 80 and 90: 16 rows, an m16 tile, per warp of a key
+// group), 8 on sm70 and sm75 (build 75: each row's q and O take 8 registers
+// a lane).
+FA_TILE_FN int fa_decode_max_rows(int kernel_sm) { return kernel_sm >= 80 ? 64 : 8; }
 
-// The most query rows per key/value head a decode build holds: build 80 64,
-// 16 (an m16 tile) per warp of a key group; build 75 eight (each row's q and
-// O take 8 registers a lane).
-FA_TILE_FN int fa_decode_max_rows(int build) { return build == 80 ? 64 : 8; }
-
-// The decode build's rows per block for `rows` = T * N / K query rows per
-// key/value head: the smallest power of two that holds them, 0 past the
-// build's most (such calls take the forward kernels).
-FA_TILE_FN int fa_decode_rows(int build, long long rows) {
+// The decode kernel's rows per block for `rows` = T * N / K query rows per
+// key/value head on the path (or build) `kernel_sm`: the smallest power of
+// two that holds them, 0 past the most (such calls take the forward
+// kernels).
+FA_TILE_FN int fa_decode_rows(int kernel_sm, long long rows) {
   int r = 1;
-  while (r < rows && r < fa_decode_max_rows(build)) r *= 2;
+  while (r < rows && r < fa_decode_max_rows(kernel_sm)) r *= 2;
   return r >= rows ? r : 0;
+}
+
+// The decode build serving `rows` rows per block (fa_decode_rows) on the path
+// of kernel `kernel_sm`, for a 16-bit or a quantized (`quant`) cache: 75
+// (CUDA cores, float32) on sm70 and sm75; 80 (mma.sync, cp.async) on sm80,
+// and on sm90 up to 16 rows and for quantized caches; 90 (wgmma) on sm90
+// above 16 rows, where build 80's warps of one key group each repeat the
+// tile's softmax bookkeeping for their 16 rows and issue, not memory, set
+// its pace (attention_decode.cu).
+FA_TILE_FN int fa_decode_build(int kernel_sm, int rows, int quant) {
+  return kernel_sm == 90 && rows > 16 && !quant ? 90 : kernel_sm >= 80 ? 80 : 75;
 }
 
 struct FaTile {
@@ -150,16 +161,22 @@ FA_TILE_FN int fa_decode_warp_stages(int quant) { return quant ? 2 * kFaDecodeSt
 FA_TILE_FN int fa_decode_ring_bytes(int warps, int h, int quant) {
   return warps * fa_decode_warp_stages(quant) * fa_decode_stage_bytes(h, quant);
 }
+// Shared memory a decode block may take, less its static arrays (8 KB).
+FA_TILE_FN int fa_decode_smem_budget(int cc) {
+  return (cc == 80 || cc == 87 ? 163 : cc >= 90 ? 227 : 99) * 1024 - 8 * 1024;
+}
 FA_TILE_FN int fa_decode_warps(int build, int h, int cc, int quant) {
-  // Shared memory a block may take, less its static arrays (8 KB).
-  const int budget = (cc == 80 || cc == 87 ? 163 : cc >= 90 ? 227 : 99) * 1024 - 8 * 1024;
+  const int budget = fa_decode_smem_budget(cc);
   return build == 75                                         ? 4
+       : build == 90                                         ? 8
        : fa_decode_ring_bytes(8, h, quant) <= budget ? 8
        : fa_decode_ring_bytes(4, h, quant) <= budget ? 4
                                                      : 2;
 }
+// Build 90's key groups are its two warpgroups: four warps of 16 rows each,
+// one wgmma m64 tile (rows past the block's are zeros).
 FA_TILE_FN int fa_decode_row_groups(int build, int rows) {
-  return build == 80 && rows > 16 ? rows / 16 : 1;
+  return build == 90 ? 4 : build == 80 && rows > 16 ? rows / 16 : 1;
 }
 FA_TILE_FN int fa_decode_key_groups(int build, int rows, int h, int cc, int quant) {
   const int warps = fa_decode_warps(build, h, cc, quant) / fa_decode_row_groups(build, rows);
@@ -176,19 +193,39 @@ FA_TILE_FN int fa_decode_lanes_per_key(int h) {
   return h / 8 <= 4 ? 4 : h / 8 <= 8 ? 8 : h / 8 <= 16 ? 16 : 32;
 }
 FA_TILE_FN int fa_decode_steps(int rows) { return rows == 2 ? 8 : rows == 8 ? 2 : 4; }
-// The most segments of one unit that run as a thread block cluster and merge
-// in its rank 0's shared memory (attention_decode.cu): build 80 on sm_90 and
-// newer, up to the portable cluster size, 8 (16, non-portable, was slower on
-// the H100: B = 1, S = 4K, 20 against 12.5 us), up to 16 rows (the slots of
-// 8 segments of 64 rows would not fit beside the warps' rows); 1 elsewhere:
-// no clusters.
-FA_TILE_FN int fa_decode_cluster_max(int build, int rows, int cc) {
-  return build == 80 && cc >= 90 && rows <= 16 ? 8 : 1;
+// Build 90: each warpgroup walks tiles of fa_decode_wg_keys(h) keys (the N of
+// its S = Q K^T wgmma; a thread holds S in wg_keys / 2 registers, P in wg_keys
+// / 4 and O in h / 2), copied by its own threads with cp.async into its ring
+// of fa_decode_wg_stages(h) stages, in the 128-byte-swizzled panels wgmma
+// reads (attention_wgmma.cuh); Q's 64 rows sit in front of the rings, after
+// up to 1 KB that aligns them to a swizzle atom.
+FA_TILE_FN int fa_decode_wg_keys(int h) { return h <= 192 ? 64 : 32; }
+FA_TILE_FN int fa_decode_wg_q_bytes(int h) { return 1024 + 64 * h * 2; }
+FA_TILE_FN int fa_decode_wg_stage_bytes(int h) { return 2 * fa_decode_wg_keys(h) * h * 2; }
+FA_TILE_FN int fa_decode_wg_stages(int h, int cc) {
+  const int fit = (fa_decode_smem_budget(cc) - fa_decode_wg_q_bytes(h)) /
+                  (2 * fa_decode_wg_stage_bytes(h));
+  return fit < 4 ? fit : 4;
 }
-// Rank 0's slots for its cluster's segments: each segment's rows (O and LSE).
-FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int cc) {
+// The most segments of one unit that run as a thread block cluster and merge
+// in shared memory (attention_decode.cu), on sm_90 and newer: up to the
+// portable cluster size, 8 (16, non-portable, was slower on the H100: B = 1,
+// S = 4K, 20 against 12.5 us), with build 80 up to 16 rows and with build
+// 90; 1 elsewhere: no clusters.
+FA_TILE_FN int fa_decode_cluster_max(int build, int rows, int cc) {
+  return cc >= 90 && ((build == 80 && rows <= 16) || build == 90) ? 8 : 1;
+}
+// The slots a block keeps for its cluster's segments (each a segment's rows,
+// O and LSE): build 80's rank 0 one per segment, which it merges; build 90's
+// 64 rows by 8 segments would not fit one block, so each block keeps its own
+// segment's, and each rank merges a share of the rows from every rank's slot
+// (fa_merge_segments over distributed shared memory).
+FA_TILE_FN int fa_decode_cluster_slots(int build, int rows, int cc) {
   const int most = fa_decode_cluster_max(build, rows, cc);
-  return most > 1 ? most * rows * (h + 1) * 4 : 0;
+  return most > 1 && build == 90 ? 1 : most > 1 ? most : 0;
+}
+FA_TILE_FN int fa_decode_cluster_bytes(int build, int rows, int h, int cc) {
+  return fa_decode_cluster_slots(build, rows, cc) * rows * (h + 1) * 4;
 }
 
 // The forward kernels' split-KV merge (attention_merge.cuh: fa_merge): threads
@@ -328,16 +365,19 @@ FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int cc) {
   return FaTile{4 * 16 * fa_mma16_m_tiles(h), Bc, 128, fa_mma16_smem(kernel_sm, h, Bc)};
 }
 
-// The tile of the decode kernel, build 75 or 80, at `rows` rows per block
-// (fa_decode_rows) and kernel head dim h (a multiple of 32), on `cc`;
-// `quant` (build 80): the cache is quantized. Its dynamic shared memory
-// holds the K/V rings and, once the walk is done, the key groups' O rows and
-// the cluster's slots.
+// The tile of the decode kernel, build 75, 80 or 90, at `rows` rows per block
+// (fa_decode_rows) and kernel head dim h (a multiple of 32; of 64 for build
+// 90), on `cc`; `quant` (build 80): the cache is quantized. Its dynamic
+// shared memory holds the K/V rings (build 90: and Q) and, once the walk is
+// done, the key groups' O rows and the cluster's slots.
 FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int cc, int quant) {
   const int groups = fa_decode_key_groups(build, rows, h, cc, quant);
-  const int keys = build == 80 ? groups * kFaDecodeTileKeys
+  const int keys = build == 90   ? groups * fa_decode_wg_keys(h)
+                   : build == 80 ? groups * kFaDecodeTileKeys
                                : groups * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
-  const int ring = build == 80 ? groups * fa_decode_stages(build, rows, h, cc, quant) *
+  const int ring = build == 90 ? fa_decode_wg_q_bytes(h) + groups * fa_decode_wg_stages(h, cc) *
+                                                               fa_decode_wg_stage_bytes(h)
+                   : build == 80 ? groups * fa_decode_stages(build, rows, h, cc, quant) *
                                      fa_decode_stage_bytes(h, quant)
                                : 0;
   const int after = groups * rows * h * 4 + fa_decode_cluster_bytes(build, rows, h, cc);
