@@ -261,7 +261,10 @@ struct DecodeBlock {
   __device__ long long lse_at(const FaDecodeParams& p, int r) const {
     return fa_at(p.lse_stride, b, r / G, kvh * G + r % G);
   }
-  // The keys [*lo, *hi) below k1 that row r sees (fa_row_keys).
+  // The keys [*lo, *hi) below k1 that row r sees (fa_row_keys): logit's
+  // rule as an interval, for a test of two compares per element. (logit
+  // keeps fa_visible: asking this there made ptxas spill 8 bytes in build
+  // 75's one-row walk on sm_75.)
   __device__ __forceinline__ void row_keys(const FaDecodeParams& p, int r, int* lo,
                                            int* hi) const {
     *lo = 0;
@@ -286,10 +289,8 @@ struct DecodeBlock {
       x = cap2 * fa_tanh(x / cap2);
 #endif
     }
-    if (edge) {
-      int lo, hi;
-      row_keys(p, r, &lo, &hi);
-      if (j < lo || j >= hi) x = FA_NEG_INF;
+    if (edge && !(j < k1 && (!per_row || fa_visible(p.rules, p.T, kv_len, r / G, j)))) {
+      x = FA_NEG_INF;
     }
     return x;
   }
@@ -431,32 +432,9 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
         }
       }
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = m[half];
-#pragma unroll
-      for (int nb = 0; nb < kNs; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * half], s[nb][2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mu = mx == FA_NEG_INF ? 0.f : mx;
-      const float alpha = fa_weight(m[half], mu, d.units.to_log2);
-      m[half] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < kNs; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[nb][2 * half + e] = fa_weight(s[nb][2 * half + e], mu, d.units.to_log2);
-          sum += s[nb][2 * half + e];
-        }
-      }
-      l[half] = l[half] * alpha + sum;
-#pragma unroll
-      for (int nt = 0; nt < kNo; ++nt) {
-        o[nt][2 * half] *= alpha;
-        o[nt][2 * half + 1] *= alpha;
-      }
-    }
+    // The online softmax step of the forward kernels (attention_m16n8.cuh;
+    // no extras are compiled in here).
+    fa_softmax_step(p, s, o, m, l, 0, 0, 0, 0, t4, d.units);
     unsigned pa[kWgKeys / 16][4];  // P as wgmma A fragments
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk) fa_pack_a(s, kk, pa[kk]);

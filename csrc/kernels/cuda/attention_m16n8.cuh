@@ -137,9 +137,10 @@ __device__ __forceinline__ void fa_mask_rows(const FaRules& rules, float (&s)[kN
 // (fa_rescale_rows). Variants without extras (FA_EXTRAS 0) keep unscaled
 // logits and maxima, units fa_units(scale); those with extras map each
 // visible logit through fa_extras_logit first, units fa_units(1)
-// (attention_common.cuh's FaUnits).
-template <int kNs>
-__device__ __forceinline__ void fa_softmax_probs(const FaParams& p, float (&s)[kNs][4],
+// (attention_common.cuh's FaUnits). Params: the kernel's parameters (the
+// decode kernel's, which has no extras, too).
+template <int kNs, class Params>
+__device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs][4],
                                                  float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], int b, int n, int row0,
                                                  int n0, int t4, const FaUnits& u) {
@@ -197,8 +198,8 @@ __device__ __forceinline__ void fa_rescale_rows(float (&o)[kNo][4], const float 
 }
 
 // One online-softmax step: fa_softmax_probs, then the rescale.
-template <int kNs, int kNo>
-__device__ __forceinline__ void fa_softmax_step(const FaParams& p, float (&s)[kNs][4],
+template <int kNs, int kNo, class Params>
+__device__ __forceinline__ void fa_softmax_step(const Params& p, float (&s)[kNs][4],
                                                 float (&o)[kNo][4], float (&m)[2],
                                                 float (&l)[2], int b, int n, int row0,
                                                 int n0, int t4, const FaUnits& u) {
