@@ -24,7 +24,8 @@ constexpr int64_t kMaxSplits = 64;
 // most blocks per head.
 constexpr int64_t kDecodeSplitCostKeys = 512;
 constexpr int64_t kMaxDecodeSplits = 128;
-// Build 90's most keys per block in a cluster (below, PlanLaunch).
+// Build 90's most keys per block in a cluster of fewer blocks than its plan's
+// (PlanLaunch).
 constexpr int64_t kDecodeWgClusterKeys = 8192;
 
 int64_t CeilDiv(int64_t x, int64_t y) { return (x + y - 1) / y; }
@@ -300,14 +301,16 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     const int64_t most = fa_decode_cluster_max(v.kernel_sm, v.decode_rows, cc);
     // Build 90 (wgmma, above 16 rows) merges its clusters' rows spread over
     // the ranks; where clusters would mean fewer blocks, it takes them only
-    // while a block's share stays within kDecodeWgClusterKeys: its walk
-    // streams at most about 43 GB/s per block (latency-bound, two tiles in
-    // flight per warpgroup), so half as many blocks are slower on long
-    // caches, where the workspace merge's fixed cost matters less. Measured
-    // on one H200, B = 1, T = 16 (64 rows), 16 blocks per head against 8 in
-    // clusters: S = 32K 70.0 / 60.7 us, S = 128K 165.0 / 193.6 us.
-    const bool cluster_fits = v.kernel_sm != 90 || best <= most ||
-                              CeilDiv(unit_steps, most) * l.tile.Bc <= kDecodeWgClusterKeys;
+    // at 64 rows and while a block's share stays within
+    // kDecodeWgClusterKeys: its walk streams at most about 43 GB/s per block
+    // (latency-bound, two tiles in flight per warpgroup), so half as many
+    // blocks are slower unless the workspace merge they save is large.
+    // Measured on one H200, B = 1, 16 blocks per head through the workspace
+    // against 8 in clusters: T = 16 (64 rows), S = 32K 70.0 / 60.7 us, S =
+    // 128K 165.0 / 193.6 us; T = 8 (32 rows), S = 32K 53.4 / 58.0 us.
+    const bool cluster_fits =
+        v.kernel_sm != 90 || best <= most ||
+        (v.decode_rows == 64 && CeilDiv(unit_steps, most) * l.tile.Bc <= kDecodeWgClusterKeys);
     if (most > 1 && cluster_fits && best <= (v.kv_quant ? 1 : 2) * most) {
       best = std::min(best, most);
       l.cluster = static_cast<int>(best);
