@@ -146,11 +146,13 @@ constexpr bool kSpreadMerge = fa_decode_cluster_slots(FA_KERNEL_SM, kRows, kFaCc
 #if FA_KERNEL_SM == 90
 constexpr int kWgKeys = fa_decode_wg_keys(kH);  // keys per tile of a warpgroup
 constexpr int kStages = fa_decode_wg_stages(kH, kFaCc);
-constexpr int kKvBytes = kWgKeys * kH * 2;      // a tile of K, and again of V
+constexpr int kKvBytes = fa_decode_wg_tile_bytes(kH);  // a tile of K, and again of V
 // A thread's 16-byte copies of a tile, of K and again of V.
 constexpr int kCopies = kWgKeys * kChunks / 128;
 static_assert(kKeyGroups == 2 && kThreads == 256 && kCopies * 128 == kWgKeys * kChunks &&
-                  kStages >= 2 && fa_decode_wg_q_bytes(kH) + 2 * kStages * kKvBytes <= kSmemBytes,
+                  kStages >= 2 &&
+                  kFaDecodeWgAlign + fa_decode_wg_q_bytes(kH) + 2 * kStages * 2 * kKvBytes <=
+                      kSmemBytes,
               "two warpgroups, whose rings and Q fit the tile's shared memory");
 #elif FA_KERNEL_SM >= 80
 constexpr int kTileKeys = kFaDecodeTileKeys;  // keys per tile (one k16 step of P V)
@@ -329,8 +331,8 @@ __device__ __forceinline__ void walk_keys(const FaDecodeParams& p, const DecodeB
   const int group = warp / 4, wt = threadIdx.x % 128;
   // C fragment: rows g and g + 8 of the block, keys / columns 2 t4 + {0, 1}.
   const int g = 16 * (warp % 4) + lane / 4, t4 = lane % 4;
-  const unsigned sq = (fa_smem_u32(smem) + 1023) & ~1023u;
-  const unsigned ring = sq + fa_decode_wg_q_bytes(kH) - 1024 + group * kStages * 2 * kKvBytes;
+  const unsigned sq = (fa_smem_u32(smem) + kFaDecodeWgAlign - 1) & ~(kFaDecodeWgAlign - 1u);
+  const unsigned ring = sq + fa_decode_wg_q_bytes(kH) + group * kStages * 2 * kKvBytes;
 
   // Q's 64 rows into shared memory (zeros past the block's rows and H), one
   // commit group ahead of the first tiles', whose loads its wait overlaps;

@@ -198,13 +198,14 @@ FA_TILE_FN int fa_decode_steps(int rows) { return rows == 2 ? 8 : rows == 8 ? 2 
 // / 4 and O in h / 2), copied by its own threads with cp.async into its ring
 // of fa_decode_wg_stages(h) stages, in the 128-byte-swizzled panels wgmma
 // reads (attention_wgmma.cuh); Q's 64 rows sit in front of the rings, after
-// up to 1 KB that aligns them to a swizzle atom.
+// up to kFaDecodeWgAlign bytes that align them to a swizzle atom.
+constexpr int kFaDecodeWgAlign = 1024;
 FA_TILE_FN int fa_decode_wg_keys(int h) { return h <= 192 ? 64 : 32; }
-FA_TILE_FN int fa_decode_wg_q_bytes(int h) { return 1024 + 64 * h * 2; }
-FA_TILE_FN int fa_decode_wg_stage_bytes(int h) { return 2 * fa_decode_wg_keys(h) * h * 2; }
+FA_TILE_FN int fa_decode_wg_q_bytes(int h) { return 64 * h * 2; }
+FA_TILE_FN int fa_decode_wg_tile_bytes(int h) { return fa_decode_wg_keys(h) * h * 2; }  // K or V
 FA_TILE_FN int fa_decode_wg_stages(int h, int cc) {
-  const int fit = (fa_decode_smem_budget(cc) - fa_decode_wg_q_bytes(h)) /
-                  (2 * fa_decode_wg_stage_bytes(h));
+  const int fit = (fa_decode_smem_budget(cc) - kFaDecodeWgAlign - fa_decode_wg_q_bytes(h)) /
+                  (2 * 2 * fa_decode_wg_tile_bytes(h));
   return fit < 4 ? fit : 4;
 }
 // The most segments of one unit that run as a thread block cluster and merge
@@ -375,8 +376,9 @@ FA_TILE_FN FaTile fa_decode_tile(int build, int rows, int h, int cc, int quant) 
   const int keys = build == 90   ? groups * fa_decode_wg_keys(h)
                    : build == 80 ? groups * kFaDecodeTileKeys
                                : groups * (32 / fa_decode_lanes_per_key(h)) * fa_decode_steps(rows);
-  const int ring = build == 90 ? fa_decode_wg_q_bytes(h) + groups * fa_decode_wg_stages(h, cc) *
-                                                               fa_decode_wg_stage_bytes(h)
+  const int ring = build == 90 ? kFaDecodeWgAlign + fa_decode_wg_q_bytes(h) +
+                                     groups * fa_decode_wg_stages(h, cc) * 2 *
+                                         fa_decode_wg_tile_bytes(h)
                    : build == 80 ? groups * fa_decode_stages(build, rows, h, cc, quant) *
                                      fa_decode_stage_bytes(h, quant)
                                : 0;
