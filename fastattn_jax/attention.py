@@ -19,8 +19,8 @@ from fastattn_jax.shapes import AttentionConfig
 def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
                    is_causal=False, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None,
-                   logits_soft_cap=None, return_residual=False,
-                   implementation=None, deterministic=False):
+                   logits_soft_cap=None, segment_ids=None, sinks=None, alibi_slopes=None,
+                   return_residual=False, implementation=None, deterministic=False):
   r"""Scaled dot-product attention, fused: a drop-in for ``jax.nn.dot_product_attention``.
 
   Computes, per batch b and query head n (reading key/value head
@@ -29,7 +29,8 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     logits = scale * Q K^T              (float32 accumulation)
     logits = c * tanh(logits / c)       if logits_soft_cap = c
     logits = logits + bias              if bias is given
-    out    = softmax(logits over the visible keys) V
+    logits = logits - slope |i - j|     if alibi_slopes is given
+    out    = softmax(logits over the visible keys [and the sink]) V
 
   without ever forming the T x S logits: the fused paths follow FastAttention
   (Lin et al., "FastAttention: Extend FlashAttention2 to NPUs and Low-resource
@@ -59,6 +60,26 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       visible to query i only if ``i - left <= j <= i + right``.
     logits_soft_cap: optional static float c > 0 within float32's normal
       range, applied to the scaled logits before the bias and the masks.
+    segment_ids: packed sequences (Splash attention's and MaxText's
+      convention): an integer (B, T) array (T = S: self-attention), or a pair
+      ``(q_segment_ids (B, T), kv_segment_ids (B, S))`` ((T,) and (S,) for 3-D
+      inputs). Query i sees key j only where the two ids are equal (and every
+      other rule lets it). Ids are any int32 values in any order: rows or keys
+      of one id that are not adjacent (an id that reappears later in the row)
+      form one segment, which sees itself wherever it is. The fused paths skip
+      key tiles whose ids no row of the tile has and test ids per pair only on
+      tiles that hold more than one (FastAttention's tiling-mask).
+    sinks: optional (N,) float array, attention sinks (StreamingLLM;
+      gpt-oss): a logit per query head that joins every row's softmax
+      denominator and has no value row, so a row's weights sum to less than
+      1. A row that sees no key then gets out 0 and LSE = sink. Gets its
+      gradient (-sum over rows of exp(sink - LSE) D, D = dO . O - dLSE).
+    alibi_slopes: optional (N,) or (B, N) float array (ALiBi, Press et al.
+      2022): adds ``-slope * |i - j|`` to the logit of query i and key j,
+      after the soft cap, computed per tile. For T != S this is top-left
+      aligned, as ``is_causal`` is (FlashAttention aligns it bottom-right:
+      shift the rows with ``i + S - T``, e.g. through a window or the decode
+      API, to match). Differentiable (from the reference math, as a bias).
     return_residual: also return the log-sum-exp of the visible logits,
       under ``stop_gradient`` as jax.nn returns it: no gradient flows from it.
     implementation: None (the best path for the platform and inputs: "cpu"
@@ -97,14 +118,17 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
     never NaN; jax.nn's XLA path gives the mean of the values there instead.
 
   Raises:
-    ValueError: on shapes that do not fit (named with their shapes), negative
+    ValueError: on shapes that do not fit (named with their shapes: segment
+      ids, sinks and slopes too), segment ids given as one array when T !=
+      S, the training features with implementation "cudnn", negative
       window sizes, non-positive soft caps, a scale or soft cap that float32
       does not represent, concrete sequence lengths out of range, an unknown
       implementation or one that cannot run on the current platform or GPU,
       or H > 256 on a CUDA path.
     RuntimeError: (at the first run on a GPU) when no NVRTC can compile the
       kernel; the message says what to install.
-    TypeError: on dtypes that do not fit, or traced values where static ones
+    TypeError: on dtypes that do not fit (segment ids must be integers,
+      sinks and slopes floating point), or traced values where static ones
       are needed (scale, is_causal, local_window_size, logits_soft_cap,
       deterministic).
 
@@ -138,12 +162,14 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      segment_ids=segment_ids, sinks=sinks, alibi_slopes=alibi_slopes,
       implementation=implementation, deterministic=deterministic)
   out_shape = jnp.shape(query)
   if config.implementation == "cudnn":
-    if config.softcap is not None:
-      raise ValueError("implementation='cudnn' does not support logits_soft_cap")
-    q_lens, kv_lens = operands[-2:]
+    if config.softcap is not None or config.has_features:
+      raise ValueError("implementation='cudnn' does not support logits_soft_cap, "
+                       "segment_ids, sinks or alibi_slopes")
+    q_lens, kv_lens = operands[5:7]
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=config.scale, is_causal=config.is_causal,
         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
@@ -155,18 +181,20 @@ def fast_attention(query, key, value, bias=None, mask=None, *, scale=None,
 
 
 def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-             key_value_seq_lengths, local_window_size, logits_soft_cap, implementation,
-             deterministic):
+             key_value_seq_lengths, local_window_size, logits_soft_cap, segment_ids=None,
+             sinks=None, alibi_slopes=None, implementation, deterministic):
   """Checks ``fast_attention``'s arguments; returns its ``AttentionConfig`` and
-  the operands (q, k, v 4-D; bias and mask 4-D; lengths (B,) int32; absent
-  ones None)."""
+  the operands (q, k, v 4-D; bias and mask 4-D; lengths (B,) int32; the
+  training features as a ``shapes.Features``; absent ones None)."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  unbatched = query.ndim == 3
   q, k, v = (x[None] if x.ndim == 3 else x for x in (query, key, value))
   dims = shapes.check_qkv(q, k, v)
   bias = _broadcast_operand("bias", bias, dims)
   mask = _broadcast_operand("mask", mask, dims)
   q_lens = seq_lengths("query_seq_lengths", query_seq_lengths, dims.B, dims.T)
   kv_lens = seq_lengths("key_value_seq_lengths", key_value_seq_lengths, dims.B, dims.S)
+  features = _features(segment_ids, sinks, alibi_slopes, dims, unbatched)
   config = AttentionConfig(
       scale=(shapes.default_scale(dims.H) if scale is None
              else shapes.static_float("scale", scale)),
@@ -177,13 +205,64 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
                                    positive=True, max_value=shapes.MAX_SOFTCAP)),
       has_bias=bias is not None, has_mask=mask is not None,
       has_q_lens=q_lens is not None, has_kv_lens=kv_lens is not None,
+      has_segment_ids=features.q_segment_ids is not None,
+      has_sinks=features.sinks is not None, has_alibi=features.alibi_slopes is not None,
       implementation=requested_implementation(implementation, q.dtype),
       deterministic=shapes.static_bool("deterministic", deterministic))
-  return config, (q, k, v, bias, mask, q_lens, kv_lens)
+  return config, (q, k, v, bias, mask, q_lens, kv_lens,
+                  features if config.has_features else None)
+
+
+def _features(segment_ids, sinks, alibi_slopes, dims, unbatched) -> shapes.Features:
+  """The training features' arguments as the primitive takes them: segment
+  ids (B, T) and (B, S) int32, sinks and slopes (B|1, N) float32.
+
+  Raises:
+    ValueError: a shape that does not fit, or one array of ids with T != S.
+    TypeError: ids that are not integers, sinks or slopes not floating point.
+  """
+  def ids(name, x, length):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+    want = (length,) if unbatched else (dims.B, length)
+    if x.shape != want:
+      raise ValueError(f"{name} must have shape {want} (query {(dims.B, dims.T, dims.N, dims.H)},"
+                       f" key {(dims.B, dims.S, dims.K, dims.H)}), got {x.shape}")
+    return x.astype(jnp.int32).reshape(dims.B, length)
+
+  q_ids = kv_ids = None
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      if len(segment_ids) != 2:
+        raise ValueError("segment_ids must be one array or a pair (q_segment_ids, "
+                         f"kv_segment_ids), got {len(segment_ids)} items")
+      q_ids = ids("q_segment_ids", segment_ids[0], dims.T)
+      kv_ids = ids("kv_segment_ids", segment_ids[1], dims.S)
+    else:
+      if dims.T != dims.S:
+        raise ValueError(f"segment_ids as one array needs T == S, got T={dims.T}, S={dims.S}: "
+                         "pass a pair (q_segment_ids, kv_segment_ids)")
+      q_ids = kv_ids = ids("segment_ids", segment_ids, dims.T)
+
+  def per_head(name, x, allow_batch):
+    if x is None:
+      return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array, got {x.dtype}")
+    shapes_ok = [(dims.N,)] + ([] if not allow_batch or unbatched else [(dims.B, dims.N)])
+    if x.shape not in shapes_ok:
+      raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes_ok))} (N = "
+                       f"{dims.N} query heads), got {x.shape}")
+    return x.astype(jnp.float32).reshape(-1, dims.N)
+
+  return shapes.Features(q_ids, kv_ids, per_head("sinks", sinks, False),
+                         per_head("alibi_slopes", alibi_slopes, True))
 
 
 def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=None,
-               kv_lens=None, block_table=None, k_scale=None, v_scale=None):
+               kv_lens=None, features=None, block_table=None, k_scale=None, v_scale=None):
   """Attention on checked 4-D operands by ``config`` (any path but "cudnn"); (out, lse).
 
   With ``block_table`` (and ``config.has_block_table``), k and v are pools of
@@ -197,10 +276,10 @@ def run_config(config: AttentionConfig, q, k, v, bias=None, mask=None, q_lens=No
       return attention_reference(config, q, k, v, None, None, None, kv_lens)
     return _fused_cache(config, q, k, v, kv_lens, block_table, k_scale, v_scale)
   if config.implementation == "xla":
-    return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
+    return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens, features)
   if bias is not None and bias.dtype == jnp.float64 and q.dtype != jnp.float64:
     bias = bias.astype(jnp.float32)
-  return _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
+  return _fused(config, q, k, v, bias, mask, q_lens, kv_lens, features)
 
 
 def _broadcast_operand(name, x, dims):
@@ -256,51 +335,71 @@ def requested_implementation(implementation, dtype) -> str:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(config, q, k, v, bias, mask, q_lens, kv_lens):
+def _fused(config, q, k, v, bias, mask, q_lens, kv_lens, features):
   """The fused path; float64 inputs take the reference math under the same VJP."""
   if q.dtype == jnp.float64:
-    return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
-  operands = [x for x in (q, k, v, bias, mask, q_lens, kv_lens) if x is not None]
-  return primitive.bind(config, *operands)
+    return attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens, features)
+  return primitive.bind(config, *_operands(q, k, v, bias, mask, q_lens, kv_lens, features))
 
 
-def _fused_fwd(config, q, k, v, bias, mask, q_lens, kv_lens):
+def _operands(q, k, v, bias, mask, q_lens, kv_lens, features):
+  """The primitive's operands: the present ones, in ``AttentionConfig``'s order."""
+  present = [x for x in (q, k, v, bias, mask, q_lens, kv_lens) if x is not None]
+  return present + ([] if features is None else features.operands())
+
+
+def _fused_fwd(config, q, k, v, bias, mask, q_lens, kv_lens, features):
   """FlashAttention-2's residuals: the operands, out and lse, from a forward
   whose logits the backward recomputes (``AttentionConfig.for_backward``).
   For 16-bit inputs the kernel writes out in float32
   (``AttentionConfig.float32_out``): the primal is rounded from it and the
   backward's D reduced from it."""
+  args = (q, k, v, bias, mask, q_lens, kv_lens, features)
   if q.dtype == jnp.float64:
-    out, lse = _fused(config, q, k, v, bias, mask, q_lens, kv_lens)
-    return (out, lse), ((q, k, v, bias, mask, q_lens, kv_lens), out, lse)
-  operands = [x for x in (q, k, v, bias, mask, q_lens, kv_lens) if x is not None]
+    out, lse = _fused(config, *args)
+    return (out, lse), (args, out, lse)
   out, lse = primitive.bind(dataclasses.replace(config, for_backward=True,
-                                                float32_out=q.dtype != jnp.float32), *operands)
-  return ((out.astype(q.dtype), lse),
-          ((q, k, v, bias, mask, q_lens, kv_lens), out, lse))
+                                                float32_out=q.dtype != jnp.float32),
+                            *_operands(*args))
+  return (out.astype(q.dtype), lse), (args, out, lse)
 
 
 def _fused_bwd(config, residuals, cotangents):
-  """dq, dk, dv from the path's backward; the bias's gradient (dS summed over
-  its broadcast dims) from the reference math, which materializes B x N x T x
-  S: under jit, XLA drops it where the bias is not differentiated."""
+  """dq, dk, dv from the path's backward; the bias's and ALiBi slopes'
+  gradients (dS summed over their broadcast dims) from the reference math,
+  which materializes B x N x T x S: under jit, XLA drops it where they are
+  not differentiated. The sinks' from the LSE: dsink = -sum over rows of
+  exp(sink - LSE) D, D = rowsum(dO o O) - dLSE (the sink's probability
+  times the cotangent of its logit, which feeds only the denominator)."""
   args, out, lse = residuals
-  q, k, v, bias, mask, q_lens, kv_lens = args
+  q, k, v, bias, mask, q_lens, kv_lens, features = args
   d_out, d_lse = cotangents
+  sinks = None if features is None else features.sinks
+  slopes = None if features is None else features.alibi_slopes
+
+  def with_terms(sinks, slopes):
+    return None if features is None else features._replace(sinks=sinks, alibi_slopes=slopes)
+
   if q.dtype == jnp.float64:
-    forward = lambda q, k, v, bias: attention_reference(
-        config, q, k, v, bias, mask, q_lens, kv_lens)
-    _, vjp = jax.vjp(forward, q, k, v, bias)
-    return (*vjp((d_out, d_lse)), None, None, None)
-  operands = [x for x in args if x is not None]
-  dq, dk, dv = primitive.bind_backward(config, *operands, out, lse, d_out,
+    forward = lambda q, k, v, bias, sinks, slopes: attention_reference(
+        config, q, k, v, bias, mask, q_lens, kv_lens, with_terms(sinks, slopes))
+    _, vjp = jax.vjp(forward, q, k, v, bias, sinks, slopes)
+    dq, dk, dv, d_bias, d_sinks, d_slopes = vjp((d_out, d_lse))
+    return (dq, dk, dv, d_bias, None, None, None, with_terms(d_sinks, d_slopes))
+  dq, dk, dv = primitive.bind_backward(config, *_operands(*args), out, lse, d_out,
                                        d_lse.astype(jnp.float32))
-  d_bias = None
-  if bias is not None:
-    forward = lambda bias: attention_reference(config, q, k, v, bias, mask, q_lens, kv_lens)
-    _, vjp = jax.vjp(forward, bias)
-    (d_bias,) = vjp((d_out, d_lse.astype(lse.dtype)))
-  return dq, dk, dv, d_bias, None, None, None
+  d_bias = d_slopes = None
+  if bias is not None or slopes is not None:
+    forward = lambda bias, slopes: attention_reference(
+        config, q, k, v, bias, mask, q_lens, kv_lens, with_terms(sinks, slopes))
+    _, vjp = jax.vjp(forward, bias, slopes)
+    d_bias, d_slopes = vjp((d_out, d_lse.astype(lse.dtype)))
+  d_sinks = None
+  if sinks is not None:
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    d_sinks = -jnp.sum(jnp.exp(sinks[:, None, :] - lse) * delta, axis=1)  # (B, N)
+    d_sinks = jnp.sum(d_sinks, axis=0, keepdims=True) if sinks.shape[0] == 1 else d_sinks
+  return dq, dk, dv, d_bias, None, None, None, with_terms(d_sinks, d_slopes)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -332,7 +431,7 @@ def _fused_cache_bwd(config, residuals, cotangents):
       plain = plain_kv(k, v, block_table, k_or_scale, v_or_scale, q.dtype)
     else:
       plain = plain_kv(k_or_scale, v_or_scale, block_table, None, None, q.dtype)
-    return _fused(contiguous, q, *plain, None, None, None, kv_lens)
+    return _fused(contiguous, q, *plain, None, None, None, kv_lens, None)
 
   _, vjp = jax.vjp(forward, q, *((k_scale, v_scale) if quantized else (k, v)))
   dq, dk, dv = vjp(cotangents)
@@ -389,8 +488,8 @@ def explain(query, key, value, bias=None, mask=None, *, backend=None, **kwargs) 
     backend: the JAX platform the call would run on ("cpu", "cuda");
       default ``jax.default_backend()``.
     **kwargs: ``fast_attention``'s keyword arguments (``is_causal``,
-      ``key_value_seq_lengths``, ``implementation``, ...); lengths may be
-      ``ShapeDtypeStruct`` too.
+      ``key_value_seq_lengths``, ``implementation``, ...); lengths, segment
+      ids, sinks and slopes may be ``ShapeDtypeStruct`` too.
 
   Returns:
     An ``Explanation``; ``print`` it for a two-line summary.
@@ -403,18 +502,17 @@ def explain(query, key, value, bias=None, mask=None, *, backend=None, **kwargs) 
   if unknown:
     raise TypeError(f"explain: unexpected keyword arguments {sorted(unknown)}; it takes "
                     f"fast_attention's: {sorted(_KEYWORDS)}")
-  lengths = {name: kwargs.pop(name, None)
-             for name in ("query_seq_lengths", "key_value_seq_lengths")}
+  arrays = {name: kwargs.pop(name, None) for name in _ARRAY_KEYWORDS}
   kwargs.pop("return_residual", None)
   prepared = {}
 
-  def trace(query, key, value, bias, mask, lengths):
-    prepared["config"], operands = _prepare(query, key, value, bias, mask, **lengths,
+  def trace(query, key, value, bias, mask, arrays):
+    prepared["config"], operands = _prepare(query, key, value, bias, mask, **arrays,
                                             **_defaults(kwargs))
     prepared["q"], prepared["k"] = operands[:2]
     return ()
 
-  jax.eval_shape(trace, query, key, value, bias, mask, lengths)
+  jax.eval_shape(trace, query, key, value, bias, mask, arrays)
   config, q, k = prepared["config"], prepared["q"], prepared["k"]
   platform = backends.platform_of(backend)
   if config.implementation == "cudnn":
@@ -429,14 +527,19 @@ def explain(query, key, value, bias=None, mask=None, *, backend=None, **kwargs) 
   forward, forward_reason = backends.choose_forward(requested, platform, q.dtype, q.shape[-1])
   backward, backward_reason = backends.choose_backward(forward, config, q.shape, k.shape,
                                                        q.dtype)
-  if config.has_bias:
-    backward_reason += ("; a differentiated bias gets its gradient from the reference math "
-                        "(materializes B x N x T x S)")
+  if config.has_bias or config.has_alibi:
+    backward_reason += ("; a differentiated bias or ALiBi slopes get their gradient from the "
+                        "reference math (materializes B x N x T x S)")
   kernel = None
   if forward in backends.cuda.IMPLEMENTATIONS:
     plan = backends.cuda.plan(forward, config, q.shape, k.shape, q.dtype, config.has_bias,
                               config.has_mask, config.has_q_lens)
     kernel = backends.cuda.describe_variant(plan)
+  if config.has_features:
+    forward_reason += ("; with " + ", ".join(
+        name for name, on in (("segment ids", config.has_segment_ids),
+                              ("sinks", config.has_sinks), ("ALiBi", config.has_alibi)) if on)
+        + " computed per tile")
   return Explanation(platform, forward, forward_reason, backward, backward_reason, kernel)
 
 
@@ -449,4 +552,9 @@ def _defaults(kwargs):
   """``_prepare``'s keyword arguments: ``kwargs`` over ``fast_attention``'s defaults."""
   params = inspect.signature(fast_attention).parameters
   return {name: kwargs.get(name, params[name].default) for name in _KEYWORDS
-          if name not in ("query_seq_lengths", "key_value_seq_lengths", "return_residual")}
+          if name not in _ARRAY_KEYWORDS + ("return_residual",)}
+
+
+#: ``fast_attention``'s keyword arguments that take arrays.
+_ARRAY_KEYWORDS = ("query_seq_lengths", "key_value_seq_lengths", "segment_ids", "sinks",
+                   "alibi_slopes")

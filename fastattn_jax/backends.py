@@ -258,9 +258,11 @@ def log_path_once(direction: str, implementation: str, platform: str, reason: st
 
 
 def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-               q_lens=None, kv_lens=None, block_table=None, k_scale=None, v_scale=None):
+               q_lens=None, kv_lens=None, features=None, block_table=None, k_scale=None,
+               v_scale=None):
   """Runs the fused kernel of ``implementation`` on 4-D operands; returns (out,
-  lse): out in q's dtype, or float32 where ``config.float32_out``.
+  lse): out in q's dtype, or float32 where ``config.float32_out``. ``features``
+  (a ``shapes.Features`` or None): segment ids, sinks, ALiBi slopes.
 
   With ``block_table``, k and v are pools of pages (``shapes.check_paged``):
   the CUDA decode kernel's paged build and the CPU kernel's decode path read
@@ -273,7 +275,7 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
   """
   if implementation in cuda.IMPLEMENTATIONS:
     return cuda.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens, block_table,
-                     k_scale, v_scale)
+                     k_scale, v_scale, features=features)
   B, T, N, H = q.shape
   # The CPU kernel's decode path reads pages and quantized caches in place (attention_cpu.h:
   # cpu_reads_in_place); every other kernel gets them gathered and dequantized.
@@ -283,7 +285,8 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
       k, v = plain_kv(k, v, block_table, k_scale, v_scale, q.dtype)
       block_table = k_scale = v_scale = None
   if implementation in ascend.IMPLEMENTATIONS:
-    out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens)
+    out, lse = ascend.call(implementation, config, q, k, v, bias, mask, q_lens, kv_lens,
+                           features=features)
     return (out.astype(jnp.float32) if config.float32_out else out), lse
   out_dtype = jnp.float32 if config.float32_out else q.dtype
   absent = lambda dtype, x: jnp.zeros((0,), dtype) if x is None else x
@@ -293,7 +296,8 @@ def fused_call(implementation: str, config: AttentionConfig, q, k, v, bias=None,
                                   jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
                      config, q, k, v, bias, mask, q_lens, kv_lens,
                      absent(jnp.int32, block_table), absent(jnp.float32, k_scale),
-                     absent(jnp.float32, v_scale), variant=np.int64(0), fold_heads=np.int64(0))
+                     absent(jnp.float32, v_scale), features=features, variant=np.int64(0),
+                     fold_heads=np.int64(0))
 
 
 def _rounded(x, dtype):
@@ -312,14 +316,16 @@ def _rounded(x, dtype):
 
 
 def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, bias, mask,
-                        q_lens, kv_lens, out, lse, d_out, d_lse):
+                        q_lens, kv_lens, features, out, lse, d_out, d_lse):
   """Runs the fused backward of ``implementation`` (where ``choose_backward``
   names it): the gradients (dq, dk, dv) of the call ``fused_call`` ran, from
   its out (B, T, N, H; float32 where the forward kept it so) and lse (B, T, N)
   and their cotangents d_out and d_lse (float32).
 
   FlashAttention-2's D = rowsum(dO o O) - dLSE (Dao 2023, Algorithm 2, line
-  4) is reduced here, by XLA, in float32, for every kernel.
+  4) is reduced here, by XLA, in float32, for every kernel. With sinks, lse
+  holds them (the forward's), so P and dS need nothing more; their own
+  gradient is ``fastattn_jax.attention``'s.
   """
   on_cuda = implementation in cuda.IMPLEMENTATIONS
   if on_cuda:
@@ -341,8 +347,8 @@ def fused_backward_call(implementation: str, config: AttentionConfig, q, k, v, b
     # (the CPU kernel sums |dO_h V_jh| itself).
     magnitude = jnp.sum(jnp.abs(products), axis=-1)
     return cuda.call_backward(implementation, config, q, k, v, bias, mask, q_lens, kv_lens,
-                              d_out, lse, delta, magnitude)
+                              d_out, lse, delta, magnitude, features=features)
   return kernel_call(CPU_BACKWARD_TARGET, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                 for x in (q, k, v)),
                      config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta,
-                     variant=np.int64(0), fold_heads=np.int64(0))
+                     features=features, variant=np.int64(0), fold_heads=np.int64(0))

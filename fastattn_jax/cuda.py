@@ -168,9 +168,12 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
   left, right = config.window_bounds
+  # Segment ids, sinks and ALiBi are terms of the logits and the softmax that
+  # the forward kernels compute with the bias's (their extras), not the
+  # decode kernel.
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
-      bias, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
+      bias or config.has_features, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic,
       DTYPE_CODES["float32"] if config.float32_out and not backward else -1,
       config.for_backward and not backward, config.has_block_table and not backward,
@@ -203,7 +206,8 @@ def launch(plan_: dict, q_shape, k_shape, device=None, blocks_per_sm: int = 0) -
 
 
 def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-         q_lens=None, kv_lens=None, block_table=None, k_scale=None, v_scale=None):
+         q_lens=None, kv_lens=None, block_table=None, k_scale=None, v_scale=None, *,
+         features=None):
   """Runs the kernel ``implementation`` plans for the call; returns (out, lse).
 
   q (B, T, N, H), k and v (B, S, K, H), converted to the plan's operand dtype
@@ -244,7 +248,8 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
                                      jax.ShapeDtypeStruct((workspace,), jnp.float32)),
                             config, q, k, v, bias, mask, q_lens, kv_lens,
                             jnp.zeros((0,), jnp.int32) if block_table is None else block_table,
-                            k_scale, v_scale, bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
+                            k_scale, v_scale, features=features, bias_dtype=jnp.float32,
+                            variant=np.int64(p["variant"]),
                             fold_heads=np.int64(p["fold_heads"]))
   return out[..., :H], lse
 
@@ -275,7 +280,7 @@ def _kernel_rows(p: dict, *xs):
 
 
 def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, mask, q_lens,
-                  kv_lens, d_out, lse, delta, magnitude):
+                  kv_lens, d_out, lse, delta, magnitude, *, features=None):
   """Runs the backward kernels ``implementation`` plans for the call; returns
   (dq, dk, dv) in q's, k's and v's shapes and dtypes.
 
@@ -302,7 +307,7 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
       jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
                                                      (v, dtypes[0]))),
       config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta, magnitude,
-      bias_dtype=jnp.float32, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
+      features=features, bias_dtype=jnp.float32, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 
 

@@ -2,8 +2,10 @@
 ``jax.ffi.ffi_call`` of any target (CPU, CUDA, Ascend; forward or backward).
 
 Every target takes the same leading operands, q, k, v, then bias, mask,
-query lengths and key/value lengths, each absent one as an empty array that
-the handlers read as "none", then the target's own (the backward's residuals),
+query lengths and key/value lengths, then the training features as the
+kernels read them (``feature_operands``), each absent one as an empty array
+that the handlers read as "none", then the target's own (the backward's
+residuals),
 and the same rule attributes (``csrc/ffi/attention_attrs.h``: CallAttrs, the
 logit transform and the index rules) plus the target's own attributes.
 """
@@ -26,8 +28,63 @@ def rule_attrs(config: AttentionConfig) -> dict:
               window_left=np.int64(left), window_right=np.int64(right))
 
 
+def segment_spans(q_ids, kv_ids):
+  """The kernels' view of segment ids (``FaSegments`` in
+  csrc/kernels/attention_rules.h): (B, T, 4) and (B, S, 4) int32.
+
+  Per query row i: its id, the end of the run of equal ids that holds it,
+  and [lo, hi), keys that bound those of its id and of every later row's
+  (lo) or earlier row's (hi) id: lo the least first key of the ids of rows
+  >= i, hi the greatest last key + 1 of rows <= i. So rows [m0, m1) see
+  keys in [lo(m0), hi(m1 - 1)) only: exact where ids are sorted, a bound
+  where they are not. Per key likewise, with rows for keys. From a stable
+  sort of the other side's ids: O((T + S) log S) per sequence.
+  """
+  def runs(ids):
+    L = ids.shape[1]
+    change = jnp.concatenate([ids[:, 1:] != ids[:, :-1], jnp.ones_like(ids[:, :1], bool)], 1)
+    ends = jnp.where(change, jnp.arange(1, L + 1, dtype=jnp.int32), L)
+    return jax.lax.cummin(ends, axis=1, reverse=True)
+
+  def bounds(ids, other):
+    L = other.shape[1]
+    if L == 0 or ids.shape[1] == 0:
+      empty = jnp.zeros_like(ids)
+      return empty + L, empty
+    order = jnp.argsort(other, axis=1, stable=True).astype(jnp.int32)
+    ranked = jnp.take_along_axis(other, order, axis=1)
+    search = jax.vmap(lambda a, v, side: jnp.searchsorted(a, v, side=side),
+                      in_axes=(0, 0, None))
+    left, right = search(ranked, ids, "left"), search(ranked, ids, "right")
+    found = right > left
+    first = jnp.take_along_axis(order, jnp.clip(left, 0, L - 1), axis=1)
+    last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, L - 1), axis=1) + 1
+    lo = jnp.where(found, first, L).astype(jnp.int32)
+    hi = jnp.where(found, last, 0).astype(jnp.int32)
+    return jax.lax.cummin(lo, axis=1, reverse=True), jax.lax.cummax(hi, axis=1)
+
+  q_spans = jnp.stack([q_ids, runs(q_ids), *bounds(q_ids, kv_ids)], axis=-1)
+  kv_spans = jnp.stack([kv_ids, runs(kv_ids), *bounds(kv_ids, q_ids)], axis=-1)
+  return q_spans, kv_spans
+
+
+def feature_operands(features) -> list:
+  """The four operands every target takes for ``features`` (a
+  ``shapes.Features`` or None): the query's and keys' segment spans
+  (``segment_spans``), sinks and ALiBi slopes (B|1, N) float32, each empty
+  where absent."""
+  empty = lambda dtype: jnp.zeros((0,), dtype)
+  if features is None:
+    return [empty(jnp.int32), empty(jnp.int32), empty(jnp.float32), empty(jnp.float32)]
+  spans = ([empty(jnp.int32)] * 2 if features.q_segment_ids is None else
+           list(segment_spans(features.q_segment_ids, features.kv_segment_ids)))
+  return spans + [empty(jnp.float32) if x is None else x
+                  for x in (features.sinks, features.alibi_slopes)]
+
+
 def kernel_call(target: str, results, config: AttentionConfig, q, k, v, bias=None, mask=None,
-                q_lens=None, kv_lens=None, *residuals, bias_dtype=None, **attrs):
+                q_lens=None, kv_lens=None, *residuals, features=None, bias_dtype=None,
+                **attrs):
   """Calls FFI target ``target`` on a checked call's operands.
 
   Args:
@@ -41,6 +98,8 @@ def kernel_call(target: str, results, config: AttentionConfig, q, k, v, bias=Non
       ``bias_dtype`` where given; an absent one is empty, of ``bias_dtype``
       or q's.
     *residuals: the target's further operands, after these.
+    features: the training features (``shapes.Features``) or None; they go
+      as ``feature_operands`` after the lengths.
     **attrs: the target's own attributes (e.g. ``variant``).
 
   Returns:
@@ -55,5 +114,5 @@ def kernel_call(target: str, results, config: AttentionConfig, q, k, v, bias=Non
               empty(jnp.bool_) if mask is None else mask,
               empty(jnp.int32) if q_lens is None else q_lens,
               empty(jnp.int32) if kv_lens is None else kv_lens)
-  return jax.ffi.ffi_call(target, results)(q, k, v, *optional, *residuals,
-                                           **rule_attrs(config), **attrs)
+  return jax.ffi.ffi_call(target, results)(q, k, v, *optional, *feature_operands(features),
+                                           *residuals, **rule_attrs(config), **attrs)

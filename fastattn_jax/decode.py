@@ -520,7 +520,7 @@ def decode_attention(query, cache_k, cache_v, lengths, *, block_table=None, k_sc
   if config.implementation == "cudnn":
     raise ValueError("decode_attention: implementation='cudnn' is not supported; "
                      "use None, 'xla' or a fused path")
-  out, lse = run_config(config, query, cache_k, cache_v, None, None, None, lengths,
+  out, lse = run_config(config, query, cache_k, cache_v, None, None, None, lengths, None,
                         block_table, k_scale, v_scale)
   return (out, lse) if return_residual else out
 

@@ -32,7 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fastattn_jax import backends
+from fastattn_jax import backends, shapes
 from fastattn_jax._jax_internal import require_devices_during_lowering
 from fastattn_jax.reference import attention_grads, attention_reference, plain_kv
 from fastattn_jax.shapes import KERNEL_DTYPES, AttentionConfig, check_operands
@@ -110,8 +110,9 @@ def _batch_rule(operands, batch_dims, *, config, prim):
   B = operands[0].shape[0 if q_dim is None or q_dim > 0 else 1]
   pairs = tuple(zip(operands, batch_dims))
   n_forward = len(pairs) - (_RESIDUALS if prim is fast_attention_bwd_p else 0)
-  q, k, v, bias, mask, q_lens, kv_lens, table, k_scale, v_scale = \
+  q, k, v, bias, mask, q_lens, kv_lens, features, table, k_scale, v_scale = \
       config.split_operands(pairs[:n_forward])
+  features = features or shapes.Features()
 
   def fold(x_d, full_b=True):
     """(B, ...) or vmapped (V, B, ...) -> (V * B, ...).
@@ -156,8 +157,12 @@ def _batch_rule(operands, batch_dims, *, config, prim):
     k_v = (fold(k), fold(v), None, fold(k_scale, False), fold(v_scale, False))
   else:
     k_v = fold_pages()
+  # Segment ids are per sequence; sinks and slopes (B|1, N) broadcast as a bias does.
   folded = [fold(q), *k_v[:2], fold(bias, False), fold(mask, False),
-            fold(q_lens), fold(kv_lens), *k_v[2:], *(fold(r) for r in pairs[n_forward:])]
+            fold(q_lens), fold(kv_lens), fold(features.q_segment_ids),
+            fold(features.kv_segment_ids), fold(features.sinks, False),
+            fold(features.alibi_slopes, False), *k_v[2:],
+            *(fold(r) for r in pairs[n_forward:])]
   results = prim.bind(*(x for x in folded if x is not None), config=config)
   return tuple(r.reshape(size, B, *r.shape[1:]) for r in results), (0,) * len(results)
 
@@ -195,7 +200,8 @@ def _shardings(config, mesh, arg_shapes, backward):
   args = jax.tree.leaves(arg_shapes)
   if backward:
     args = args[:-_RESIDUALS]
-  q, k, v, bias, mask, q_lens, kv_lens, table, k_scale, v_scale = config.split_operands(args)
+  q, k, v, bias, mask, q_lens, kv_lens, features, table, k_scale, v_scale = \
+      config.split_operands(args)
   B, T, N, H = q.shape
   K = k.shape[2]
   b_axes, _, n_axes, _ = _spec_of(q.sharding, 4)
@@ -216,6 +222,10 @@ def _shardings(config, mesh, arg_shapes, backward):
   arg_shardings = [rows, keys, keys]
   arg_shardings += [broadcast_spec(x) for x in (bias, mask) if x is not None]
   arg_shardings += [named(b_axes) for x in (q_lens, kv_lens) if x is not None]
+  if features is not None:
+    arg_shardings += [named(b_axes, None) for x in features[:2] if x is not None]
+    arg_shardings += [named(b_axes if x.shape[0] == B else None, n_axes)
+                      for x in features[2:] if x is not None]
   if table is not None:
     arg_shardings.append(named(b_axes, None))
   for x in (k_scale, v_scale):
@@ -230,11 +240,11 @@ def _shardings(config, mesh, arg_shapes, backward):
 
 
 def _unpaged(config, operands):
-  """The backward's forward operands, the 7 of a contiguous cache: under
-  differentiation ``fastattn_jax.attention`` gathers a paged cache's pages
-  and dequantizes a quantized one first, so no backward has a block table
-  or scales."""
-  return config.split_operands(operands)[:7]
+  """The backward's forward operands, the 8 of a contiguous cache (features
+  last): under differentiation ``fastattn_jax.attention`` gathers a paged
+  cache's pages and dequantizes a quantized one first, so no backward has a
+  block table or scales."""
+  return config.split_operands(operands)[:8]
 
 
 def _call(implementation, backward, config, operands):
@@ -263,7 +273,7 @@ def _sharding_rule(implementation, backward, config, mesh, operand_types, result
   """Shardy rule: batch and heads pass through; T, S, H are not split."""
   if backward:
     operand_types = operand_types[:-_RESIDUALS]
-  q, k, v, bias, mask, q_lens, kv_lens, table, k_scale, v_scale = \
+  q, k, v, bias, mask, q_lens, kv_lens, features, table, k_scale, v_scale = \
       config.split_operands(operand_types)
   full = ("b", "n", "t", "s")
   dims = lambda t: list(mlir.ir.RankedTensorType(t).shape)
@@ -276,6 +286,10 @@ def _sharding_rule(implementation, backward, config, mesh, operand_types, result
       operands.append(" ".join(
           f if d == size else f"{f}{idx}" for f, d, size in zip(full, dims(x), sizes)))
   operands += ["b" for x in (q_lens, kv_lens) if x is not None]
+  if features is not None:
+    operands += [ids for x, ids in zip(features[:2], ("b t", "b s")) if x is not None]
+    operands += [f"{'b' if dims(x)[0] == B else f'b_{name}'} n"
+                 for x, name in zip(features[2:], ("sinks", "alibi")) if x is not None]
   if table is not None:
     operands.append("b table")
   key_factors = keys.split()[:3]
@@ -332,8 +346,9 @@ def _lowering(ctx, *operands, config, platform, backward):
     else:
       fn = lambda *ops: _partitioned(implementation, backward)(config, ops)
   elif backward:
-    fn = lambda *ops: attention_grads(config, *_unpaged(config, ops[:-_RESIDUALS]),
-                                      *ops[-2:])  # d_out, d_lse
+    def fn(*ops):
+      *args, features = _unpaged(config, ops[:-_RESIDUALS])
+      return attention_grads(config, *args, *ops[-2:], features=features)  # d_out, d_lse
   else:
     def fn(*ops):
       q, k, v, *optional, table, k_scale, v_scale = config.split_operands(ops)

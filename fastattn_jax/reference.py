@@ -47,6 +47,37 @@ def plain_kv(k, v, block_table, k_scale, v_scale, dtype):
   return k, v
 
 
+def row_positions(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=None):
+  """The key position pos(i) of each query row (attention_rules.h): (1, R, 1)
+  or, end aligned, (B|1, R, 1); R = T, or the rows of ``rows``."""
+  i = (jnp.arange(T) if rows is None else rows)[None, :, None]
+  if not config.end_aligned:
+    return i
+  q_len = jnp.full((1,), T) if q_lens is None else jnp.clip(q_lens, 0, T)
+  kv_len = jnp.full((1,), S) if kv_lens is None else jnp.clip(kv_lens, 0, S)
+  return i + (kv_len - q_len)[:, None, None]
+
+
+def feature_terms(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, features,
+                  rows=None):
+  """``(visible, bias)`` that the training features add, each None where
+  none does: the segment ids' mask (B, 1, R, S), and ALiBi's bias
+  ``-slope |pos(i) - j|`` (B|1, N, R, S) float32; R = T or ``rows``."""
+  if features is None:
+    return None, None
+  visible = bias = None
+  if features.q_segment_ids is not None:
+    q_ids = features.q_segment_ids
+    if rows is not None:
+      q_ids = jnp.take(q_ids, rows, axis=1, mode="clip")
+    visible = (q_ids[:, :, None] == features.kv_segment_ids[:, None, :])[:, None]
+  if features.alibi_slopes is not None:
+    pos = row_positions(config, T, S, q_lens, kv_lens, rows)
+    distance = jnp.abs(pos - jnp.arange(S)[None, None, :]).astype(jnp.float32)
+    bias = -features.alibi_slopes[:, :, None, None] * distance[:, None]
+  return visible, bias
+
+
 def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=None):
   """Boolean (B|1, 1, T, S) mask of the index-defined visibility, or None;
   with ``rows`` (R,) query row indices, that of those rows only: (B|1, 1, R, S)."""
@@ -59,9 +90,7 @@ def visible_mask(config: AttentionConfig, T: int, S: int, q_lens, kv_lens, rows=
 
   pos = i
   if config.end_aligned and (config.is_causal or config.window is not None):
-    q_len = jnp.full((1,), T) if q_lens is None else jnp.clip(q_lens, 0, T)
-    kv_len = jnp.full((1,), S) if kv_lens is None else jnp.clip(kv_lens, 0, S)
-    pos = i[None] + (kv_len - q_len)[:, None, None]  # (B|1, T, 1)
+    pos = row_positions(config, T, S, q_lens, kv_lens, rows)  # (B|1, T, 1)
   if config.is_causal:
     visible = both(visible, j <= pos)
   if config.window is not None:
@@ -91,14 +120,15 @@ def finite_keys(key):
   return key_safe, jnp.transpose(finite, (0, 2, 1))[:, :, None, None, :]
 
 
-def _probabilities(config: AttentionConfig, q, key, bias, visible):
+def _probabilities(config: AttentionConfig, q, key, bias, visible, sinks=None):
   """The softmax of query rows q (B, R, K, G, H) over key (B, S, K, H), heads
   as (K, G): query head n = kh * G + g reads key/value head kh.
 
   Returns ``(p, m, l, t)``: p (B, N, R, S) the probabilities (0 where
   ``visible``, (B|1, N|1, R, S) or None, is False), m and l (B, N, R, 1) the
   row maxima (0 for rows that see nothing) and sums, and t the soft cap's
-  tanh (B, K, G, R, S) or None.
+  tanh (B, K, G, R, S) or None. With ``sinks`` (B|1, N), each row's sink
+  logit joins m and l (it has no value row, so p sums to less than 1).
   """
   B, R, K, G, _ = q.shape
   S = key.shape[1]
@@ -124,16 +154,32 @@ def _probabilities(config: AttentionConfig, q, key, bias, visible):
       jnp.max(logits, axis=-1, keepdims=True, initial=jnp.finfo(acc).min))  # S = 0 too
   if visible is not None:
     m = jnp.where(jnp.any(visible, axis=-1, keepdims=True), m, 0)  # rows that see nothing
+  if sinks is not None:
+    sink = sinks.astype(acc)[:, :, None, None]
+    m = jnp.maximum(m, jax.lax.stop_gradient(sink))
+  if visible is not None:
     p = jnp.where(visible, jnp.exp(jnp.where(visible, logits, m) - m), 0)
   else:
     p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sink - m)
   l_safe = jnp.where(l == 0, 1, l)  # empty rows stay NaN-free; a NaN l stays NaN
   return p / l_safe, m, l, t
 
 
+def _with_features(config, T, S, q_lens, kv_lens, features, bias, visible, rows=None):
+  """``bias`` and ``visible`` with the training features' terms added."""
+  seg_visible, alibi = feature_terms(config, T, S, q_lens, kv_lens, features, rows)
+  if seg_visible is not None:
+    visible = seg_visible if visible is None else visible & seg_visible
+  if alibi is not None:
+    bias = alibi if bias is None else bias.astype(jnp.float32) + alibi
+  return bias, visible
+
+
 def attention_reference(config: AttentionConfig, query, key, value, bias=None,
-                        mask=None, q_lens=None, kv_lens=None):
+                        mask=None, q_lens=None, kv_lens=None, features=None):
   """Attention by the definition, on 4-D inputs.
 
   Args:
@@ -142,6 +188,8 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
     bias: additive, broadcastable to (B, N, T, S), or None.
     mask: bool, broadcastable to (B, N, T, S), True = attend, or None.
     q_lens, kv_lens: (B,) int32 valid lengths, or None.
+    features: a ``shapes.Features`` (segment ids, sinks, ALiBi slopes) or
+      None.
 
   Returns:
     ``(out, lse)``: out (B, T, N, H) in query's dtype; lse (B, T, N) float32
@@ -155,8 +203,10 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
   visible = visible_mask(config, T, S, q_lens, kv_lens)
   if mask is not None:
     visible = mask if visible is None else visible & mask
+  bias, visible = _with_features(config, T, S, q_lens, kv_lens, features, bias, visible)
+  sinks = None if features is None else features.sinks
   # Heads as (K, G): query head n = kh * G + g reads key/value head kh.
-  p, m, l, _ = _probabilities(config, query.reshape(B, T, K, G, H), key, bias, visible)
+  p, m, l, _ = _probabilities(config, query.reshape(B, T, K, G, H), key, bias, visible, sinks)
   if kv_lens is not None:  # keys past the length are never read, even as 0 * v
     value = jnp.where(jnp.arange(S)[None, :, None, None] < kv_lens[:, None, None, None],
                       value, 0)
@@ -170,7 +220,7 @@ def attention_reference(config: AttentionConfig, query, key, value, bias=None,
 
 
 def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_lens, kv_lens,
-                    d_out, d_lse, *, block_elems: int = 1 << 25):
+                    d_out, d_lse, *, features=None, block_elems: int = 1 << 25):
   """(dq, dk, dv) of ``attention_reference``, in bounded memory.
 
   The backward of FlashAttention-2 (Dao 2023, Algorithm 2) in jax.numpy over
@@ -186,14 +236,15 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
   jax.vjp of ``attention_reference`` holds all of them at once.
 
   Args:
-    config, query, key, value, bias, mask, q_lens, kv_lens: as
+    config, query, key, value, bias, mask, q_lens, kv_lens, features: as
       ``attention_reference``.
     d_out: (B, T, N, H), d_lse: (B, T, N): the cotangents of its out and lse.
     block_elems: the most logits one block holds.
 
   Returns:
     dq, dk, dv in query's, key's and value's shapes and dtypes; rows that see
-    no key get dq = 0, keys no row sees dk = dv = 0. No gradient for the bias.
+    no key get dq = 0, keys no row sees dk = dv = 0. No gradient for the
+    bias, the sinks or the ALiBi slopes.
   """
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -234,7 +285,11 @@ def attention_grads(config: AttentionConfig, query, key, value, bias, mask, q_le
     if mask is not None:
       block_mask = rows_of(mask_pad, i0, 2)
       visible = block_mask if visible is None else visible & block_mask
-    p, _, _, t = _probabilities(config, qb, key, rows_of(bias_pad, i0, 2), visible)
+    bias_b, visible = _with_features(config, T, S, q_lens, kv_lens, features,
+                                     rows_of(bias_pad, i0, 2), visible,
+                                     rows=i0 + jnp.arange(rows))
+    p, _, _, t = _probabilities(config, qb, key, bias_b, visible,
+                                None if features is None else features.sinks)
     dp = dot("btkgh,bskh->bkgts", dob, value).reshape(B, N, rows, S)
     d_lse_b = jnp.transpose(rows_of(dlse_pad, i0, 1), (0, 2, 1))[..., None].astype(acc)
     ds = p * (dp - (jnp.sum(p * dp, axis=-1, keepdims=True) - d_lse_b))

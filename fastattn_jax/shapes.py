@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +49,11 @@ class AttentionConfig:
       ``i + kv_len - q_len`` (bottom-right alignment: the last valid query
       sits at the last valid key, as when T new tokens attend over a cache
       that already holds them) instead of at position i.
-    has_bias, has_mask, has_q_lens, has_kv_lens, has_block_table,
-      has_kv_scales: which optional operands follow query, key and value, in
-      that order. With a block table (B, max_pages) int32, key and value are
+    has_bias, has_mask, has_q_lens, has_kv_lens, has_segment_ids, has_sinks,
+      has_alibi, has_block_table, has_kv_scales: which optional operands
+      follow query, key and value, in that order (``split_operands``). Segment
+      ids are two operands, (B, T) and (B, S) int32 (``check_features``); sinks
+      and ALiBi slopes are (B|1, N) float32. With a block table (B, max_pages) int32, key and value are
       pools of pages (pages, page_size, K, H) and S = max_pages * page_size
       (``check_paged``). With KV scales (two operands, k_scale and v_scale),
       key and value are a quantized cache (``KV_QUANT_DTYPES``) and key =
@@ -80,6 +82,9 @@ class AttentionConfig:
   has_mask: bool = False
   has_q_lens: bool = False
   has_kv_lens: bool = False
+  has_segment_ids: bool = False
+  has_sinks: bool = False
+  has_alibi: bool = False
   has_block_table: bool = False
   has_kv_scales: bool = False
   implementation: str = "auto"
@@ -92,15 +97,49 @@ class AttentionConfig:
     """``window`` as the kernels take it: (left, right), -1 for no bound."""
     return self.window if self.window is not None else (-1, -1)
 
+  @property
+  def has_features(self) -> bool:
+    """Whether segment ids, sinks or ALiBi slopes are among the operands."""
+    return self.has_segment_ids or self.has_sinks or self.has_alibi
+
   def split_operands(self, operands):
-    """Splits ``(q, k, v, *present optionals)`` into a 10-tuple with Nones:
-    q, k, v, bias, mask, q_lens, kv_lens, block_table, k_scale, v_scale."""
+    """Splits ``(q, k, v, *present optionals)`` into an 11-tuple with Nones:
+    q, k, v, bias, mask, q_lens, kv_lens, features (a ``Features``, or None
+    when none is present), block_table, k_scale, v_scale."""
     q, k, v, *rest = operands
     rest = iter(rest)
     take = lambda present: next(rest) if present else None
-    return (q, k, v, take(self.has_bias), take(self.has_mask),
-            take(self.has_q_lens), take(self.has_kv_lens), take(self.has_block_table),
+    head = (q, k, v, take(self.has_bias), take(self.has_mask), take(self.has_q_lens),
+            take(self.has_kv_lens))
+    features = Features(take(self.has_segment_ids), take(self.has_segment_ids),
+                        take(self.has_sinks), take(self.has_alibi))
+    return (*head, features if self.has_features else None, take(self.has_block_table),
             take(self.has_kv_scales), take(self.has_kv_scales))
+
+
+class Features(NamedTuple):
+  """The operands of the training features, each None where absent.
+
+  Attributes:
+    q_segment_ids: (B, T) int32: query row i of batch b belongs to segment
+      ``q_segment_ids[b, i]`` and sees key j only if ``kv_segment_ids[b, j]``
+      is equal (packed sequences; any ids, in any order).
+    kv_segment_ids: (B, S) int32, present with ``q_segment_ids``.
+    sinks: (B|1, N) float32: a logit per query head (and batch) that joins
+      every row's softmax denominator and has no value row.
+    alibi_slopes: (B|1, N) float32: the logit of (i, j) gets ``-slope *
+      |pos(i) - j|`` (ALiBi; pos(i) the row's key position of the causal
+      rule).
+  """
+
+  q_segment_ids: Any = None
+  kv_segment_ids: Any = None
+  sinks: Any = None
+  alibi_slopes: Any = None
+
+  def operands(self) -> list:
+    """The present ones, in the primitive's order."""
+    return [x for x in self if x is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,10 +307,12 @@ def check_seq_lengths(name: str, x, B: int) -> None:
 def check_operands(config: AttentionConfig, operands) -> Dims:
   """Checks all operands of the primitive against ``config``; returns dims."""
   n_expected = 3 + sum((config.has_bias, config.has_mask, config.has_q_lens,
-                        config.has_kv_lens, config.has_block_table)) + 2 * config.has_kv_scales
+                        config.has_kv_lens, config.has_sinks, config.has_alibi,
+                        config.has_block_table)) + 2 * (config.has_kv_scales +
+                                                        config.has_segment_ids)
   if len(operands) != n_expected:
     raise ValueError(f"expected {n_expected} operands, got {len(operands)}")
-  q, k, v, bias, mask, q_lens, kv_lens, block_table, k_scale, v_scale = \
+  q, k, v, bias, mask, q_lens, kv_lens, features, block_table, k_scale, v_scale = \
       config.split_operands(operands)
   quantized = k_scale is not None
   dims = (check_qkv(q, k, v, quantized=quantized) if block_table is None else
@@ -286,7 +327,34 @@ def check_operands(config: AttentionConfig, operands) -> Dims:
     check_seq_lengths("query_seq_lengths", q_lens, dims.B)
   if kv_lens is not None:
     check_seq_lengths("key_value_seq_lengths", kv_lens, dims.B)
+  if features is not None:
+    check_features(features, dims)
   return dims
+
+
+def check_features(features: Features, dims: Dims) -> None:
+  """Checks the operands of the training features as the primitive takes
+  them: segment ids (B, T) and (B, S) int32; sinks and ALiBi slopes (B|1, N)
+  float32.
+
+  Raises:
+    ValueError: on a shape that does not fit, naming it. TypeError: on a
+      dtype that does not.
+  """
+  wanted = {"q_segment_ids": ((dims.B, dims.T), np.int32),
+            "kv_segment_ids": ((dims.B, dims.S), np.int32),
+            "sinks": ((dims.B, dims.N), np.float32),
+            "alibi_slopes": ((dims.B, dims.N), np.float32)}
+  for name, x in features._asdict().items():
+    if x is None:
+      continue
+    shape, dtype = wanted[name]
+    if x.ndim != 2 or _shape(x)[1] != shape[1] or _shape(x)[0] not in (1, shape[0]):
+      raise ValueError(f"{name} must have shape {shape}{' (B may be 1)' if name in ('sinks', 'alibi_slopes') else ''}, got {_shape(x)}")
+    if np.dtype(x.dtype) != np.dtype(dtype):
+      raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {x.dtype}")
+    if name.endswith("segment_ids") and _shape(x)[0] != shape[0]:
+      raise ValueError(f"{name} must have shape {shape}, got {_shape(x)}")
 
 
 def normalize_window(local_window_size: Any) -> tuple[int, int] | None:

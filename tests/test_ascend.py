@@ -107,7 +107,7 @@ def test_outputs_fully_written(rng):
   def run(out0, lse0, *ops):
     del out0, lse0
     return jax.ffi.ffi_call(ascend.TARGETS[SIM], (out_shape, lse_shape))(
-        *ops, **attrs, library=path)
+        *ops, *custom_calls.feature_operands(None), **attrs, library=path)
 
   poisoned = (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),
               jnp.full(lse_shape.shape, jnp.nan, jnp.float32))
@@ -266,7 +266,8 @@ def _check_runs(path):
   attrs = custom_calls.rule_attrs(AttentionConfig(scale=1 / np.sqrt(32)))
   out, _ = jax.ffi.ffi_call(ascend.TARGETS[SIM], (
       jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype),
-      jax.ShapeDtypeStruct((1, p["Tp"], 2), jnp.float32)))(*operands, **attrs, library=path)
+      jax.ShapeDtypeStruct((1, p["Tp"], 2), jnp.float32)))(
+          *operands, *custom_calls.feature_operands(None), **attrs, library=path)
   want = fast_attention(q, k, v, implementation="xla")
   assert tu.max_err(out[:, :16, :, :32], want) <= tu.JAXNN_TOL["float16"]
 
@@ -362,7 +363,8 @@ def _target_call(q, k, v, bias, mask, q_lens, kv_lens, out_dtype=None):
   return jax.ffi.ffi_call(ascend.TARGETS[SIM], (
       jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
       jax.ShapeDtypeStruct((B, T, N), jnp.float32)))(
-          q, k, v, bias, mask, q_lens, kv_lens, scale=np.float32(1), softcap=np.float32(0),
+          q, k, v, bias, mask, q_lens, kv_lens, *custom_calls.feature_operands(None),
+          scale=np.float32(1), softcap=np.float32(0),
           is_causal=np.int64(0), end_aligned=np.int64(0), window_left=np.int64(-1),
           window_right=np.int64(-1), library="/nonexistent.so")
 

@@ -206,8 +206,15 @@ ffi::Error RunNpu(const AscendAttrs& attrs, Call& c) {
 template <ffi::Error (*Run)(const AscendAttrs&, Call&), const char* name>
 ffi::Error AscendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                       ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                      ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_spans,
+                      ffi::Buffer<ffi::S32> kv_spans, ffi::Buffer<ffi::F32> sinks,
+                      ffi::Buffer<ffi::F32> alibi, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::F32> lse, AscendAttrs attrs) {
+  if (q_spans.element_count() || kv_spans.element_count() || sinks.element_count() ||
+      alibi.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "the Ascend kernel takes no segment ids, sinks or ALiBi slopes");
+  }
   Call c;
   if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &c);
       err.failure()) {
@@ -230,6 +237,10 @@ auto Bind() {
       .Arg<ffi::Buffer<ffi::PRED>>()    // mask or empty
       .Arg<ffi::Buffer<ffi::S32>>()     // query lengths (B,)
       .Arg<ffi::Buffer<ffi::S32>>()     // key lengths (B,)
+      .Arg<ffi::Buffer<ffi::S32>>()     // segment spans: empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // segment spans: empty
+      .Arg<ffi::Buffer<ffi::F32>>()     // sinks: empty
+      .Arg<ffi::Buffer<ffi::F32>>()     // ALiBi slopes: empty
       .Ret<ffi::AnyBuffer>()            // out (B, Tp, N, Hp)
       .Ret<ffi::Buffer<ffi::F32>>()     // lse (B, Tp, N)
       .Attrs<AscendAttrs>();

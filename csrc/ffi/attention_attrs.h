@@ -182,6 +182,48 @@ inline xla::ffi::Error CheckLengths(const char* name, xla::ffi::Buffer<xla::ffi:
   return xla::ffi::Error::Success();
 }
 
+// The training features from their four operands (fastattn_jax/custom_calls.py:
+// feature_operands), each empty where absent: the segment spans (B, T,
+// kFaSpan) and (B, S, kFaSpan) int32, both or neither; sinks and ALiBi
+// slopes (B|1, N) float32.
+inline xla::ffi::Error CheckFeatures(xla::ffi::Buffer<xla::ffi::S32>& q_spans,
+                                     xla::ffi::Buffer<xla::ffi::S32>& kv_spans,
+                                     xla::ffi::Buffer<xla::ffi::F32>& sinks,
+                                     xla::ffi::Buffer<xla::ffi::F32>& alibi, const QkvDims& d,
+                                     FaFeatures* f) {
+  *f = FaFeatures{};
+  if ((q_spans.element_count() == 0) != (kv_spans.element_count() == 0)) {
+    return xla::ffi::Error::InvalidArgument("segment spans come for query and keys or neither");
+  }
+  if (q_spans.element_count() > 0) {
+    const std::vector<int64_t> want_q = {d.B, d.T, kFaSpan}, want_kv = {d.B, d.S, kFaSpan};
+    if (!std::equal(q_spans.dimensions().begin(), q_spans.dimensions().end(), want_q.begin(),
+                    want_q.end()) ||
+        !std::equal(kv_spans.dimensions().begin(), kv_spans.dimensions().end(),
+                    want_kv.begin(), want_kv.end())) {
+      return xla::ffi::Error::InvalidArgument(
+          "segment spans " + DimsString(q_spans.dimensions()) + " and " +
+          DimsString(kv_spans.dimensions()) + " must be (B, T, 4) and (B, S, 4)");
+    }
+    f->q_spans = q_spans.typed_data();
+    f->kv_spans = kv_spans.typed_data();
+  }
+  auto per_head = [&](const char* name, xla::ffi::Buffer<xla::ffi::F32>& x, const float** data,
+                      int* b_stride) {
+    if (x.element_count() == 0) return xla::ffi::Error::Success();
+    auto dims = x.dimensions();
+    if (dims.size() != 2 || dims[1] != d.N || (dims[0] != 1 && dims[0] != d.B)) {
+      return xla::ffi::Error::InvalidArgument(std::string(name) + " " + DimsString(dims) +
+                                              " must be (B, N) or (1, N)");
+    }
+    *data = x.typed_data();
+    *b_stride = dims[0] == 1 ? 0 : static_cast<int>(d.N);
+    return xla::ffi::Error::Success();
+  };
+  if (auto err = per_head("sinks", sinks, &f->sinks, &f->sinks_b); err.failure()) return err;
+  return per_head("alibi_slopes", alibi, &f->alibi, &f->alibi_b);
+}
+
 // Element strides that broadcast a 4-D (b, n, t, s) operand to `full`, or an
 // error if a dim is neither 1 nor the full size.
 inline xla::ffi::Error BroadcastStrides(const char* name, xla::ffi::Span<const int64_t> dims,

@@ -25,7 +25,9 @@ namespace {
 // (the forward's), k and v are a quantized cache.
 ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                       ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32>* block_table,
+                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_spans,
+                      ffi::Buffer<ffi::S32> kv_spans, ffi::Buffer<ffi::F32> sinks,
+                      ffi::Buffer<ffi::F32> alibi, ffi::Buffer<ffi::S32>* block_table,
                       ffi::Buffer<ffi::F32>* k_scale, ffi::Buffer<ffi::F32>* v_scale,
                       const CallAttrs& attrs, fastattn::AttentionParams* p) {
   fastattn::QkvDims d;
@@ -98,6 +100,10 @@ ffi::Error FillParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
       err.failure()) {
     return err;
   }
+  if (auto err = fastattn::CheckFeatures(q_spans, kv_spans, sinks, alibi, d, &p->features);
+      err.failure()) {
+    return err;
+  }
   p->rules = fastattn::RulesOf(attrs);
   return ffi::Error::Success();
 }
@@ -122,12 +128,14 @@ void Record(const char* name, const fastattn::AttentionParams& p, int64_t pool_t
 ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::Buffer<ffi::PRED> mask,
                             ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                            ffi::Buffer<ffi::S32> q_spans, ffi::Buffer<ffi::S32> kv_spans,
+                            ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> alibi,
                             ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::F32> k_scale,
                             ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                             ffi::ResultBuffer<ffi::F32> lse, CallAttrs attrs) {
   fastattn::AttentionParams p;
-  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, &block_table, &k_scale,
-                            &v_scale, attrs, &p);
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, q_spans, kv_spans, sinks,
+                            alibi, &block_table, &k_scale, &v_scale, attrs, &p);
       err.failure()) {
     return err;
   }
@@ -149,14 +157,17 @@ ffi::Error AttentionCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
 ffi::Error AttentionCpuBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                     ffi::AnyBuffer v, ffi::AnyBuffer bias,
                                     ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                                    ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer d_out,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> q_spans,
+                                    ffi::Buffer<ffi::S32> kv_spans, ffi::Buffer<ffi::F32> sinks,
+                                    ffi::Buffer<ffi::F32> alibi, ffi::AnyBuffer d_out,
                                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                     ffi::Result<ffi::AnyBuffer> dv, CallAttrs attrs) {
   fastattn::AttentionGradParams g;
   fastattn::AttentionParams& p = g.fwd;
-  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, nullptr, nullptr, nullptr,
-                            attrs, &p);
+  if (auto err = FillParams(q, k, v, bias, mask, q_lens, kv_lens, q_spans, kv_spans, sinks,
+                            alibi, nullptr, nullptr, nullptr, attrs, &p);
       err.failure()) {
     return err;
   }
@@ -195,7 +206,11 @@ auto BindOperands() {
       .Arg<ffi::AnyBuffer>()            // bias or empty
       .Arg<ffi::Buffer<ffi::PRED>>()    // mask or empty
       .Arg<ffi::Buffer<ffi::S32>>()     // query lengths or empty
-      .Arg<ffi::Buffer<ffi::S32>>();    // key lengths or empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // key lengths or empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // query segment spans or empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // key segment spans or empty
+      .Arg<ffi::Buffer<ffi::F32>>()     // sinks or empty
+      .Arg<ffi::Buffer<ffi::F32>>();    // ALiBi slopes or empty
 }
 
 }  // namespace

@@ -262,6 +262,8 @@ ffi::Error InitializeContext(cu::CUstream stream, SiteState* site, const fastatt
 ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
                           ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                          ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::F32>,
+                          ffi::Buffer<ffi::F32>,
                           ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::F32> k_scale,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                           ffi::ResultBuffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>, CallAttrs) {
@@ -307,7 +309,9 @@ ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer
 ffi::Error InitializeBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
                                   ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32>,
                                   ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::S32>,
-                                  ffi::Buffer<ffi::S32>, ffi::AnyBuffer d_out,
+                                  ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                                  ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::F32>,
+                                  ffi::Buffer<ffi::F32>, ffi::AnyBuffer d_out,
                                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                   ffi::Buffer<ffi::F32> magnitude,
                                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -425,6 +429,8 @@ ffi::Error EncodeTmaMaps(const cu::Driver& d, const FaParams& p, const FaTile& t
 ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
                        ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                       ffi::Buffer<ffi::S32> q_spans, ffi::Buffer<ffi::S32> kv_spans,
+                       ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> alibi,
                        ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::F32> k_scale,
                        ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                        ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> workspace,
@@ -477,6 +483,10 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
     p.rules = site->rules;
     if (auto err = FillSplit(*c, *workspace, d.H, &p.split); err.failure()) return err;
     if (auto err = FillExtras(kd, bias, mask, q_lens, &p); err.failure()) return err;
+    if (auto err = fastattn::CheckFeatures(q_spans, kv_spans, sinks, alibi, kd, &p.features);
+        err.failure()) {
+      return err;
+    }
     if (site->variant.kernel_sm == 90) {
       if (auto err = EncodeTmaMaps(*driver, p, kn.tile, &maps); err.failure()) return err;
     }
@@ -496,7 +506,9 @@ ffi::Error ExecuteImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q, f
 ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q,
                                ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
                                ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                               ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer d_out,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_spans,
+                               ffi::Buffer<ffi::S32> kv_spans, ffi::Buffer<ffi::F32> sinks,
+                               ffi::Buffer<ffi::F32> alibi, ffi::AnyBuffer d_out,
                                ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                ffi::Buffer<ffi::F32> magnitude,
                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -523,6 +535,10 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
     return err;
   }
   if (auto err = FillExtras(d, bias, mask, q_lens, &p); err.failure()) return err;
+  if (auto err = fastattn::CheckFeatures(q_spans, kv_spans, sinks, alibi, d, &p.features);
+      err.failure()) {
+    return err;
+  }
   // d_out stands in out's place: the kernels read it with out's strides.
   FillOperands(d, d, false, q, k, v, d_out, lse, kv_data, &p);
   p.rules = site->rules;
@@ -566,7 +582,11 @@ ffi::Error ExecuteBackwardImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuf
       .Arg<ffi::Buffer<ffi::F32>>()  /* bias or empty */            \
       .Arg<ffi::Buffer<ffi::PRED>>() /* mask or empty */            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* query lengths or empty */   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */
+      .Arg<ffi::Buffer<ffi::S32>>()  /* key lengths or empty */     \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* query segment spans */      \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* key segment spans */        \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* sinks or empty */           \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* ALiBi slopes or empty */
 
 #define FASTATTN_CUDA_BINDING(stage)                                 \
   FASTATTN_CUDA_OPERANDS(stage)                                     \

@@ -22,6 +22,7 @@
 #if defined(__CUDACC_RTC__)
 #define FA_HOST_DEVICE __host__ __device__ __forceinline__
 #else
+#include <cmath>  // the host's expf, log1pf (NVRTC has them built in)
 #define FA_HOST_DEVICE inline
 #endif
 
@@ -63,12 +64,19 @@ FA_HOST_DEVICE FaRules fa_make_rules(float scale, float softcap, long long causa
                  window(window_right)};
 }
 
+// Row i's key position pos(i), which the causal and window rules and ALiBi
+// measure keys from.
+template <class I>
+FA_HOST_DEVICE I fa_row_pos(const FaRules& r, I q_len, I kv_len, I i) {
+  return r.end_aligned ? i + kv_len - q_len : i;
+}
+
 // The keys [*lo, *hi) that row i sees by the index rules (empty when
 // *lo >= *hi, as for every row at or past q_len). Both bounds are
 // nondecreasing in i over the rows below q_len.
 template <class I>
 FA_HOST_DEVICE void fa_row_keys(const FaRules& r, I q_len, I kv_len, I i, I* lo, I* hi) {
-  const I pos = r.end_aligned ? i + kv_len - q_len : i;
+  const I pos = fa_row_pos(r, q_len, kv_len, i);
   I l = 0, h = i < q_len ? kv_len : 0;
   if (r.causal && pos + 1 < h) h = pos + 1;
   if (r.window_right >= 0 && pos + 1 + r.window_right < h) h = pos + 1 + r.window_right;
@@ -107,4 +115,93 @@ FA_HOST_DEVICE bool fa_all_visible(const FaRules& r, I q_len, I kv_len, I m0, I 
   I lo, hi;
   fa_common_keys(r, q_len, kv_len, m0, m1, &lo, &hi);
   return lo < hi && n0 >= lo && n1 <= hi;
+}
+
+// The training features of a call, each null where absent (the operands
+// fastattn_jax/custom_calls.py's feature_operands makes):
+// - segment ids (packed sequences): row i of batch b sees key j only if
+//   their ids are equal. Each row's span, q_spans + (b T + i) kFaSpan, holds
+//   its id, the end of the run of equal ids that holds it, and the keys lo
+//   and hi that bound those that rows >= i (lo) and rows <= i (hi) share a
+//   segment with; each key's span in kv_spans likewise, with rows for keys.
+// - sinks: a logit per (b, n) that joins each row's softmax denominator and
+//   has no value row: the row's LSE becomes logaddexp(LSE, sink), its output
+//   scales by e^(LSE - that) (fa_join_sink).
+// - ALiBi: logit x of (i, j) += -slope |pos(i) - j|, after the soft cap.
+struct FaFeatures {
+  const int* q_spans;   // (B, T, kFaSpan)
+  const int* kv_spans;  // (B, S, kFaSpan)
+  const float* sinks;   // (b, n) at sinks[b * sinks_b + n]
+  const float* alibi;   // slopes, (b, n) at alibi[b * alibi_b + n]
+  int sinks_b, alibi_b;  // N, or 0 where broadcast over B
+};
+
+// A span's fields: id, run end, lo, hi.
+constexpr int kFaSpan = 4;
+
+// Narrows keys [*lo, *hi) to those that rows [m0, m1) of batch b can share
+// a segment with (a bound: exact where the ids are sorted).
+template <class I>
+FA_HOST_DEVICE void fa_segment_keys(const FaFeatures& f, I T, I b, I m0, I m1, I* lo, I* hi) {
+  if (m1 > T) m1 = T;
+  if (!f.q_spans || m1 <= m0) return;
+  const I first = f.q_spans[(b * T + m0) * kFaSpan + 2];
+  const I last = f.q_spans[(b * T + m1 - 1) * kFaSpan + 3];
+  if (first > *lo) *lo = first;
+  if (last < *hi) *hi = last;
+}
+
+// Narrows rows [*lo, *hi) to those that keys [n0, n1) of batch b can share
+// a segment with.
+template <class I>
+FA_HOST_DEVICE void fa_segment_rows(const FaFeatures& f, I S, I b, I n0, I n1, I* lo, I* hi) {
+  if (n1 > S) n1 = S;
+  if (!f.kv_spans || n1 <= n0) return;
+  const I first = f.kv_spans[(b * S + n0) * kFaSpan + 2];
+  const I last = f.kv_spans[(b * S + n1 - 1) * kFaSpan + 3];
+  if (first > *lo) *lo = first;
+  if (last < *hi) *hi = last;
+}
+
+// Whether rows [m0, m1) and keys [n0, n1) of batch b all hold one segment
+// id (then no pair needs the test), or there are no segment ids.
+template <class I>
+FA_HOST_DEVICE bool fa_segment_whole(const FaFeatures& f, I T, I S, I b, I m0, I m1, I n0,
+                                     I n1) {
+  if (!f.q_spans) return true;
+  if (m0 >= T || n0 >= S) return false;
+  const int* q = f.q_spans + (b * T + m0) * kFaSpan;
+  const int* k = f.kv_spans + (b * S + n0) * kFaSpan;
+  return q[1] >= (m1 < T ? m1 : T) && k[1] >= (n1 < S ? n1 : S) && q[0] == k[0];
+}
+
+// Whether row i and key j of batch b share a segment (true without ids).
+template <class I>
+FA_HOST_DEVICE bool fa_same_segment(const FaFeatures& f, I T, I S, I b, I i, I j) {
+  return !f.q_spans || f.q_spans[(b * T + i) * kFaSpan] == f.kv_spans[(b * S + j) * kFaSpan];
+}
+
+// ALiBi's slope of (b, n); 0 without ALiBi.
+FA_HOST_DEVICE float fa_alibi_slope(const FaFeatures& f, long long b, long long n) {
+  return f.alibi ? f.alibi[b * f.alibi_b + n] : 0.f;
+}
+
+// ALiBi's term of a row at key position pos and key j.
+template <class I>
+FA_HOST_DEVICE float fa_alibi_term(float slope, I pos, I j) {
+  return -slope * static_cast<float>(pos > j ? pos - j : j - pos);
+}
+
+// A finished row's LSE with the sink of (b, n) joined: *lse becomes
+// logaddexp(*lse, sink); returns the factor e^(old - new) its normalized
+// output takes (1 without sinks; 0 for a row that saw no key, LSE -inf).
+FA_HOST_DEVICE float fa_join_sink(const FaFeatures& f, long long b, long long n, float* lse) {
+  if (!f.sinks) return 1.f;
+  const float sink = f.sinks[b * f.sinks_b + n];
+  const float hi = *lse > sink ? *lse : sink;
+  if (hi < -3.4028235e38f) return 1.f;  // both -inf: unchanged
+  const float joined = hi + log1pf(expf(-fabsf(*lse - sink)));
+  const float factor = expf(*lse - joined);
+  *lse = joined;
+  return factor;
 }

@@ -519,7 +519,7 @@ def _load_here(path: str) -> str | None:
 # --- the custom call -------------------------------------------------------------
 
 def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=None,
-         q_lens=None, kv_lens=None):
+         q_lens=None, kv_lens=None, *, features=None):
   """Runs the Ascend kernel of ``implementation``; returns (out, lse) of
   shapes (B, T, N, H) in q's dtype and (B, T, N) float32.
 
@@ -528,8 +528,13 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
 
   Raises:
     Unavailable: the toolchain (or, for "ascend", CANN or an NPU) is missing.
-    ValueError: the plan refuses the call (``plan``).
+    ValueError: the plan refuses the call (``plan``), or ``features``
+      (segment ids, sinks, ALiBi slopes), which the Ascend kernel does not
+      take.
   """
+  if features is not None:
+    raise ValueError(f"implementation={implementation!r} does not take segment_ids, sinks or "
+                     "alibi_slopes; use implementation=None or 'cpu'")
   B, T, N, H = q.shape
   operands, p = kernel_operands(q, k, v, bias, mask, q_lens, kv_lens)
   path = library(implementation, p)

@@ -120,6 +120,9 @@ enum class DecodeLayout { kNone, kHeadLanes, kRowLanes };
 // decode path with the head dimension in the lanes sums them in its own order
 // (attention_cpu_kernel.inc: dot_keys); the other paths sum them as score_block does.
 DecodeLayout decode_layout(const AttentionParams& p) {
+  // The training features are terms of the tiled path's slices (softmax_slice's RowTerms).
+  const FaFeatures& f = p.features;
+  if (f.q_spans || f.sinks || f.alibi) return DecodeLayout::kNone;
   const int64_t rows = p.T * (p.N / p.K);
   if (rows <= kFewRows) return DecodeLayout::kHeadLanes;
   if (rows <= kDecodeRows) return DecodeLayout::kRowLanes;
@@ -188,11 +191,14 @@ struct Scratch {
   int64_t* hi;        // rows
   int64_t* bias_off;  // rows       offset of each row's (b, n, i, 0) bias / mask element
   int64_t* mask_off;  // rows
+  int64_t* pos;       // rows       key position pos(i) of each row (ALiBi)
+  float* slope;       // rows       ALiBi slope of each row
+  int32_t* seg;       // rows       segment id of each row
 
   // Size in floats; every region is a multiple of 16 floats (64 bytes).
   static int64_t floats(const Problem& pb) {
     return 2 * round_up(pb.q_floats, 16) + kBc * kBb + round_up(pb.kv_floats, 16) +
-           2 * pb.row_capacity + kBb + 2 * kBb + 8 * pb.row_capacity;
+           2 * pb.row_capacity + kBb + 2 * kBb + 12 * pb.row_capacity;
   }
 
   Scratch(float* base, const Problem& pb) {
@@ -210,6 +216,9 @@ struct Scratch {
     hi = lo + rows;
     bias_off = hi + rows;
     mask_off = bias_off + rows;
+    pos = mask_off + rows;
+    slope = reinterpret_cast<float*>(pos + rows);
+    seg = reinterpret_cast<int32_t*>(slope + rows);
   }
 };
 
@@ -357,9 +366,11 @@ void combine_splits_to(const Problem& pb) {
       L += weight[s] * pb.part_l[s * rows + row];
     }
     T* out = static_cast<T*>(p.out) + row * H;
+    float lse = L == 0.0f ? -kInf : M_safe + std::log(L);
+    const float sink = fa_join_sink(p.features, row / (p.T * p.N), row % p.N, &lse);
+    if (p.lse != nullptr) p.lse[row] = lse;
     if (L == 0.0f) {
       std::fill(out, out + H, cpu::from_float<T>(0.0f));
-      if (p.lse != nullptr) p.lse[row] = -kInf;
       continue;
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -367,8 +378,7 @@ void combine_splits_to(const Problem& pb) {
       const float* po = pb.part_o + (s * rows + row) * H;
       for (int64_t h = 0; h < H; ++h) acc[h] += weight[s] * po[h];
     }
-    for (int64_t h = 0; h < H; ++h) out[h] = cpu::from_float<T>(acc[h] / L);
-    if (p.lse != nullptr) p.lse[row] = M_safe + std::log(L);
+    for (int64_t h = 0; h < H; ++h) out[h] = cpu::from_float<T>(acc[h] / L * sink);
   }
 }
 
@@ -462,14 +472,18 @@ void lse_without_head_dims(const AttentionParams& p) {
     for (int64_t i = 0; i < p.T; ++i) {
       int64_t lo, hi;
       fa_row_keys(p.rules, q_len, kv_len, i, &lo, &hi);
+      const int64_t pos = fa_row_pos(p.rules, q_len, kv_len, i);
       for (int64_t n = 0; n < p.N; ++n) {
         const int64_t bias_row = b * bs[0] + n * bs[1] + i * bs[2];
         const int64_t mask_row = b * ms[0] + n * ms[1] + i * ms[2];
+        const float slope = fa_alibi_slope(p.features, b, n);
         const auto visible = [&](int64_t j) {
-          return p.mask == nullptr || p.mask[mask_row + j * ms[3]];
+          return (p.mask == nullptr || p.mask[mask_row + j * ms[3]]) &&
+                 fa_same_segment(p.features, p.T, p.S, b, i, j);
         };
         const auto logit = [&](int64_t j) {
-          return bias == nullptr ? 0.0 : double{cpu::to_float(bias[bias_row + j * bs[3]])};
+          return (bias == nullptr ? 0.0 : double{cpu::to_float(bias[bias_row + j * bs[3]])}) +
+                 fa_alibi_term(slope, pos, j);
         };
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t j = lo; j < hi; ++j) {
@@ -481,7 +495,9 @@ void lse_without_head_dims(const AttentionParams& p) {
             if (visible(j)) l += std::exp(logit(j) - m);
           }
         }
-        p.lse[(b * p.T + i) * p.N + n] = l == 0.0 ? -kInf : static_cast<float>(m + std::log(l));
+        float lse = l == 0.0 ? -kInf : static_cast<float>(m + std::log(l));
+        fa_join_sink(p.features, b, n, &lse);
+        p.lse[(b * p.T + i) * p.N + n] = lse;
       }
     }
   }

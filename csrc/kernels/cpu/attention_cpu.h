@@ -67,6 +67,9 @@ struct AttentionParams {
 
   // The logit transform and index rules (attention_rules.h).
   FaRules rules = fa_make_rules(1.0f, 0.0f, 0, 0, -1, -1);
+  // Segment ids, sinks and ALiBi (attention_rules.h); read by the tiled path only (PlanCpu
+  // keeps such calls off the decode path).
+  FaFeatures features = {};
 };
 
 // The workers a call may use: `count` of them, the calling thread included,

@@ -86,6 +86,7 @@ struct FaParams : FaOperands {
   const int* q_lens;           // (B,): rows >= q_lens[b] see no key; or null
   FaRules rules;
   FaSplitKV split;
+  FaFeatures features;         // segment ids, sinks, ALiBi (FA_EXTRAS kernels)
 };
 
 // The backward kernels' (attention_backward.cu): the forward's operands and
