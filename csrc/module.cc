@@ -141,11 +141,11 @@ NB_MODULE(_ffi, m) {
         "The kernel implementation=None runs on compute capability cc for head dim H.");
   m.def("cuda_plan_call",
         [](int kernel_sm, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
-           int dtype, bool bias, bool mask, bool q_lens, float scale, float softcap,
+           int dtype, bool bias, bool mask, bool row_operands, float scale, float softcap,
            int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right,
            bool backward, bool deterministic, int out_dtype, bool for_backward, bool paged,
            int kv_quant) {
-          cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, q_lens,
+          cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, row_operands,
                           fa_make_rules(scale, softcap, causal, end_aligned, window_left,
                                         window_right),
                           backward, deterministic};
@@ -166,7 +166,7 @@ NB_MODULE(_ffi, m) {
         },
         nb::arg("kernel_sm"), nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"),
         nb::arg("K"), nb::arg("H"), nb::arg("dtype"), nb::arg("bias"), nb::arg("mask"),
-        nb::arg("q_lens"), nb::arg("scale"), nb::arg("softcap"), nb::arg("causal"),
+        nb::arg("row_operands"), nb::arg("scale"), nb::arg("softcap"), nb::arg("causal"),
         nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("backward") = false, nb::arg("deterministic") = false,
         nb::arg("out_dtype") = -1, nb::arg("for_backward") = false, nb::arg("paged") = false,

@@ -168,12 +168,13 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
   left, right = config.window_bounds
-  # Segment ids, sinks and ALiBi are terms of the logits and the softmax that
-  # the forward kernels compute with the bias's (their extras), not the
-  # decode kernel.
+  # ALiBi and segment ids are per-element terms of the logits, as a bias is
+  # (the kernels' extras); sinks (the rows' final write) are in every forward
+  # kernel. None is in the decode kernel.
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
-      bias or config.has_features, mask, q_lens, config.scale, config.softcap or 0.0, config.is_causal,
+      bias or config.has_alibi or config.has_segment_ids, mask, q_lens or config.has_sinks,
+      config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic,
       DTYPE_CODES["float32"] if config.float32_out and not backward else -1,
       config.for_backward and not backward, config.has_block_table and not backward,
@@ -307,7 +308,8 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
       jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
                                                      (v, dtypes[0]))),
       config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta, magnitude,
-      features=features, bias_dtype=jnp.float32, variant=np.int64(p["variant"]), fold_heads=np.int64(0))
+      features=features, bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
+      fold_heads=np.int64(0))
   return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
 
 

@@ -29,7 +29,7 @@ def rule_attrs(config: AttentionConfig) -> dict:
 
 
 def segment_spans(q_ids, kv_ids):
-  """The kernels' view of segment ids (``FaSegments`` in
+  """The kernels' view of segment ids (``FaFeatures`` in
   csrc/kernels/attention_rules.h): (B, T, 4) and (B, S, 4) int32.
 
   Per query row i: its id, the end of the run of equal ids that holds it,
@@ -37,34 +37,50 @@ def segment_spans(q_ids, kv_ids):
   (lo) or earlier row's (hi) id: lo the least first key of the ids of rows
   >= i, hi the greatest last key + 1 of rows <= i. So rows [m0, m1) see
   keys in [lo(m0), hi(m1 - 1)) only: exact where ids are sorted, a bound
-  where they are not. Per key likewise, with rows for keys. From a stable
-  sort of the other side's ids: O((T + S) log S) per sequence.
+  where they are not. Per key likewise, with rows for keys. The occurrences
+  come from one stable sort of both sides' ids together, per sequence:
+  each id's group of the sorted order gives its first and last position on
+  either side (no loop, so a GPU runs it in a few kernels).
   """
+  B, T = q_ids.shape
+  S = kv_ids.shape[1]
+
   def runs(ids):
     L = ids.shape[1]
     change = jnp.concatenate([ids[:, 1:] != ids[:, :-1], jnp.ones_like(ids[:, :1], bool)], 1)
     ends = jnp.where(change, jnp.arange(1, L + 1, dtype=jnp.int32), L)
     return jax.lax.cummin(ends, axis=1, reverse=True)
 
-  def bounds(ids, other):
-    L = other.shape[1]
-    if L == 0 or ids.shape[1] == 0:
-      empty = jnp.zeros_like(ids)
-      return empty + L, empty
-    order = jnp.argsort(other, axis=1, stable=True).astype(jnp.int32)
-    ranked = jnp.take_along_axis(other, order, axis=1)
-    search = jax.vmap(lambda a, v, side: jnp.searchsorted(a, v, side=side),
-                      in_axes=(0, 0, None))
-    left, right = search(ranked, ids, "left"), search(ranked, ids, "right")
-    found = right > left
-    first = jnp.take_along_axis(order, jnp.clip(left, 0, L - 1), axis=1)
-    last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, L - 1), axis=1) + 1
-    lo = jnp.where(found, first, L).astype(jnp.int32)
-    hi = jnp.where(found, last, 0).astype(jnp.int32)
-    return jax.lax.cummin(lo, axis=1, reverse=True), jax.lax.cummax(hi, axis=1)
+  def one_sequence(q, kv):
+    # Keys at [0, S), rows at [S, S + T) of the joint order.
+    joint = jnp.concatenate([kv, q])
+    order = jnp.argsort(joint, stable=True).astype(jnp.int32)
+    ranked = joint[order]
+    group = jnp.cumsum(jnp.concatenate([jnp.ones((1,), jnp.int32),
+                                        (ranked[1:] != ranked[:-1]).astype(jnp.int32)])) - 1
+    is_key = order < S
+    # Per group, the least or greatest position on one side (fill where the
+    # group has none there), read back at each member of the group.
+    bound = lambda side, offset, op, fill: op(
+        jnp.where(side, order - offset, fill), group, num_segments=S + T)
+    key_lo = bound(is_key, 0, jax.ops.segment_min, S)[group]
+    key_hi = bound(is_key, -1, jax.ops.segment_max, 0)[group]
+    row_lo = bound(~is_key, S, jax.ops.segment_min, T)[group]
+    row_hi = bound(~is_key, S - 1, jax.ops.segment_max, 0)[group]
+    # Back to each position's own order (order is a permutation).
+    lo = jnp.zeros((S + T,), jnp.int32).at[order].set(jnp.where(is_key, row_lo, key_lo))
+    hi = jnp.zeros((S + T,), jnp.int32).at[order].set(jnp.where(is_key, row_hi, key_hi))
+    return (lo[S:], hi[S:]), (lo[:S], hi[:S])
 
-  q_spans = jnp.stack([q_ids, runs(q_ids), *bounds(q_ids, kv_ids)], axis=-1)
-  kv_spans = jnp.stack([kv_ids, runs(kv_ids), *bounds(kv_ids, q_ids)], axis=-1)
+  if S == 0 or T == 0:
+    q_bounds = (jnp.full((B, T), S, jnp.int32), jnp.zeros((B, T), jnp.int32))
+    kv_bounds = (jnp.full((B, S), T, jnp.int32), jnp.zeros((B, S), jnp.int32))
+  else:
+    q_bounds, kv_bounds = jax.vmap(one_sequence)(q_ids, kv_ids)
+  envelope = lambda lo, hi: (jax.lax.cummin(lo, axis=1, reverse=True),
+                             jax.lax.cummax(hi, axis=1))
+  q_spans = jnp.stack([q_ids, runs(q_ids), *envelope(*q_bounds)], axis=-1)
+  kv_spans = jnp.stack([kv_ids, runs(kv_ids), *envelope(*kv_bounds)], axis=-1)
   return q_spans, kv_spans
 
 

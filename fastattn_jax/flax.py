@@ -67,7 +67,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
                  dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                  precision=None, module=None, *, force_fp32_for_softmax=False,
                  qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
-                 is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None):
+                 is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                 segment_ids=None, sinks=None, alibi_slopes=None):
   """Flax's ``dot_product_attention`` computed by ``fast_attention``.
 
   The algorithm is FastAttention's (Lin et al., "FastAttention: Extend
@@ -114,6 +115,12 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
       Flax padding mask does).
     key_value_seq_lengths: optional integer array of the batch dims' shape:
       keys j >= length are never read.
+    segment_ids: packed sequences, as ``fast_attention`` takes them, with
+      the batch dims in front: an integer (batch..., T) array (T = S), or a
+      pair of (batch..., T) and (batch..., S). A row whose id no key has
+      gives the mean of the values, as a Flax mask hiding every key does.
+    sinks: optional (N,) float array, as ``fast_attention``'s.
+    alibi_slopes: optional (N,) float array, as ``fast_attention``'s.
 
   Returns:
     (batch..., T, N, H) in ``dtype``.
@@ -162,11 +169,14 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
       query_seq_lengths=_fold_lengths("query_seq_lengths", query_seq_lengths, batch),
       key_value_seq_lengths=_fold_lengths("key_value_seq_lengths", key_value_seq_lengths,
                                           batch),
-      return_residual=True)
+      segment_ids=_fold_segment_ids(segment_ids, batch), sinks=sinks,
+      alibi_slopes=alibi_slopes, return_residual=True)
   # A row that sees no key has an LSE of -inf; Flax gives it the mean of all
   # the values (each query head reads key/value head n // (N // K)). Only a
-  # mask or lengths can hide every key from a row (causality leaves key 0).
-  if mask is not None or query_seq_lengths is not None or key_value_seq_lengths is not None:
+  # mask, lengths or segment ids can hide every key from a row (causality
+  # leaves key 0); with sinks its LSE is the sink's and its output 0.
+  if (mask is not None or query_seq_lengths is not None or key_value_seq_lengths is not None
+      or segment_ids is not None):
     N, K = q.shape[2], k.shape[2]
     mean_v = jnp.repeat(jnp.mean(v, axis=1), N // K, axis=1)
     out = jnp.where(jnp.isneginf(lse)[..., None], mean_v[:, None], out)
@@ -206,6 +216,21 @@ def _fold_operand(name, x, batch):
   if all(d == 1 for d in lead):
     return x.reshape((1,) + tail)
   return jnp.broadcast_to(x, batch + tail).reshape((math.prod(batch),) + tail)
+
+
+def _fold_segment_ids(segment_ids, batch):
+  """Segment ids with the batch dims in front, as ``fast_attention`` takes
+  them: (prod(batch), T), or a pair of (prod(batch), T) and (prod(batch), S)."""
+  if segment_ids is None:
+    return None
+  pair = isinstance(segment_ids, (tuple, list))
+  ids = [jnp.asarray(x) for x in (segment_ids if pair else (segment_ids,))]
+  for name, x in zip(("q_segment_ids", "kv_segment_ids") if pair else ("segment_ids",), ids):
+    if x.shape[:-1] != batch or x.ndim != len(batch) + 1:
+      raise ValueError(f"{name} must have shape (batch..., length) with batch dims {batch}, "
+                       f"got {x.shape}")
+  ids = [x.reshape(math.prod(batch), x.shape[-1]) for x in ids]
+  return tuple(ids) if pair else ids[0]
 
 
 def _fold_lengths(name, lengths, batch):

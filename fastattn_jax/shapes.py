@@ -350,7 +350,8 @@ def check_features(features: Features, dims: Dims) -> None:
       continue
     shape, dtype = wanted[name]
     if x.ndim != 2 or _shape(x)[1] != shape[1] or _shape(x)[0] not in (1, shape[0]):
-      raise ValueError(f"{name} must have shape {shape}{' (B may be 1)' if name in ('sinks', 'alibi_slopes') else ''}, got {_shape(x)}")
+      broadcast = "" if name.endswith("segment_ids") else " (B may be 1)"
+      raise ValueError(f"{name} must have shape {shape}{broadcast}, got {_shape(x)}")
     if np.dtype(x.dtype) != np.dtype(dtype):
       raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {x.dtype}")
     if name.endswith("segment_ids") and _shape(x)[0] != shape[0]:

@@ -93,11 +93,14 @@ def _as_4d(x):
 
 
 def _reference64_rows(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-                      key_value_seq_lengths, local_window_size, logits_soft_cap, block_elems):
+                      key_value_seq_lengths, local_window_size, logits_soft_cap, block_elems,
+                      sinks=None):
   """The float64 definition's pieces, block by block: yields (b, n, rows, q
   rows, key and value head, scaled logits before the soft cap, final logits
   with the hidden ones at -inf, visibility, softmax P with zero rows where
-  nothing is visible, LSE). q, k, v: 4-D numpy float64."""
+  nothing is visible, LSE). q, k, v: 4-D numpy float64. ``sinks`` (B|1, N):
+  an extra logit per row with a value row of zeros (P sums to less than 1,
+  LSE counts it; a row that sees no key gets LSE = sink)."""
   q, k, v = query, key, value
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -139,8 +142,14 @@ def _reference64_rows(query, key, value, bias, mask, scale, is_causal, query_seq
         s = np.where(vis, s, -np.inf)
         has = vis.any(axis=1)
         m = np.where(has, s.max(axis=1, initial=-np.inf), 0.0)[:, None]
+        if sinks is not None:
+          sink = float(np.asarray(sinks, np.float64)[b % len(sinks), n])
+          m = np.maximum(np.where(has[:, None], m, -np.inf), sink)
         p = np.where(vis, np.exp(s - m), 0.0)
         l = p.sum(axis=1)
+        if sinks is not None:
+          l = l + np.exp(sink - m[:, 0])
+          has = np.ones_like(has)
         l_safe = np.where(has, l, 1.0)
         yield b, n, slice(r0, r1), kb, vb, x, s, vis, p / l_safe[:, None], m[:, 0] + np.log(l_safe)
 
@@ -148,7 +157,7 @@ def _reference64_rows(query, key, value, bias, mask, scale, is_causal, query_seq
 def reference64(query, key, value, bias=None, mask=None, *, scale=None,
                 is_causal=False, query_seq_lengths=None,
                 key_value_seq_lengths=None, local_window_size=None,
-                logits_soft_cap=None, block_elems=1 << 21):
+                logits_soft_cap=None, sinks=None, block_elems=1 << 21):
   """Attention by the definition in float64; returns (out, lse) as numpy.
 
   Works on (B,T,N,H) or (T,N,H) inputs; bias/mask of any rank <= 4
@@ -164,8 +173,8 @@ def reference64(query, key, value, bias=None, mask=None, *, scale=None,
   lse = np.full((B, T, N), -np.inf)
   for b, n, rows, _, vb, _, _, vis, p, lse_rows in _reference64_rows(
       q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-      local_window_size, logits_soft_cap, block_elems):
-    has = vis.any(axis=1)
+      local_window_size, logits_soft_cap, block_elems, sinks):
+    has = vis.any(axis=1) | (sinks is not None)
     out[b, rows, n] = p @ vb
     lse[b, rows, n] = np.where(has, lse_rows, -np.inf)
   if three_d:
@@ -175,13 +184,16 @@ def reference64(query, key, value, bias=None, mask=None, *, scale=None,
 
 def reference64_grads(query, key, value, d_out, bias=None, mask=None, *, scale=None,
                       is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
-                      local_window_size=None, logits_soft_cap=None, block_elems=1 << 21):
+                      local_window_size=None, logits_soft_cap=None, sinks=None,
+                      block_elems=1 << 21, with_sinks=False):
   """The gradients of sum(out * d_out) by the definition in float64, written
   out (FlashAttention-2's backward, Dao 2023, Algorithm 2, without tiles):
   dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), through the soft cap's tanh,
   dQ = scale dS K, dK = scale dS^T Q; GQA heads summed into their key/value
   head. Returns numpy (dq, dk, dv, dbias) shaped as the inputs (4-D;
-  dbias summed over bias's broadcast dims, None without bias)."""
+  dbias summed over bias's broadcast dims, None without bias); with
+  ``with_sinks`` also dsinks shaped as ``sinks``: the sink's logit has dP =
+  0 (a value row of zeros), so its dS is -P_sink rowsum(dO O)."""
   q, k, v, do = _f64(query), _f64(key), _f64(value), _f64(d_out)
   B, T, N, H = q.shape
   K = k.shape[2]
@@ -189,12 +201,17 @@ def reference64_grads(query, key, value, d_out, bias=None, mask=None, *, scale=N
   scale_ = 1.0 / np.sqrt(H) if scale is None else float(scale)
   dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
   dbias = None if bias is None else np.zeros((B, N, T, k.shape[1]))
-  for b, n, rows, kb, vb, x, _, _, p, _ in _reference64_rows(
+  dsinks = None if sinks is None else np.zeros((B, N))
+  for b, n, rows, kb, vb, x, _, _, p, lse in _reference64_rows(
       q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-      local_window_size, logits_soft_cap, block_elems):
+      local_window_size, logits_soft_cap, block_elems, sinks):
     dor = do[b, rows, n]
     dv[b, :, n // G] += p.T @ dor
-    ds = p * (dor @ vb.T - np.sum(dor * (p @ vb), axis=1, keepdims=True))
+    delta = np.sum(dor * (p @ vb), axis=1, keepdims=True)
+    ds = p * (dor @ vb.T - delta)
+    if dsinks is not None:
+      sink = float(np.asarray(sinks, np.float64)[b % len(sinks), n])
+      dsinks[b, n] -= np.sum(np.exp(sink - lse) * delta[:, 0])
     if dbias is not None:
       dbias[b, n, rows] = ds
     if logits_soft_cap is not None:
@@ -204,6 +221,10 @@ def reference64_grads(query, key, value, d_out, bias=None, mask=None, *, scale=N
   if dbias is not None:
     shape = _as_4d(np.asarray(bias)).shape
     dbias = dbias.sum(axis=tuple(a for a in range(4) if shape[a] == 1), keepdims=True)
+  if with_sinks:
+    if dsinks is not None and len(sinks) == 1:
+      dsinks = dsinks.sum(axis=0, keepdims=True)
+    return dq, dk, dv, dbias, dsinks
   return dq, dk, dv, dbias
 
 
@@ -301,6 +322,20 @@ def _run(impl, jit, q, k, v, bias, mask, opts):
   if jit:
     f = jax.jit(f)
   return f(q, k, v, bias, mask)
+
+
+#: Floor of the gradients' rule, relative to the largest reference gradient: a
+#: few ulps of the dtype (the gradients are rounded to it; float32 sums rows in
+#: another order than XLA's dot does).
+GRAD_ATOL = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def grad_floor(implementation, name: str) -> float:
+  """The gradients' rule's floor for ``name`` inputs on ``implementation``:
+  that of the dtype the forward multiplies in where it is narrower (the CUDA
+  kernels round float32 to float16, and the backward starts from their out
+  and LSE)."""
+  return max(GRAD_ATOL[name], GRAD_ATOL[computed_dtype(implementation, name)])
 
 
 def ref_atol(name: str = "float32", implementation=IMPL) -> float:

@@ -27,17 +27,8 @@ from fastattn_jax import (_ffi, attention, backends, cuda, fast_attention, primi
                           reference, resolve_implementation)
 from fastattn_jax.shapes import DTYPE_CODES
 
-#: Floor of the rule, relative to the largest reference gradient: a few ulps of
-#: the dtype (the gradients are rounded to it; float32 sums rows in another
-#: order than XLA's dot does).
-GRAD_ATOL = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}
-
-
-def _floor(impl, name) -> float:
-  """The rule's floor for ``name`` inputs on ``impl``: that of the dtype the
-  forward multiplies in where it is narrower (the CUDA kernels round float32
-  to float16, and the backward starts from their out and LSE)."""
-  return max(GRAD_ATOL[name], GRAD_ATOL[tu.computed_dtype(impl, name)])
+GRAD_ATOL = tu.GRAD_ATOL
+_floor = tu.grad_floor
 
 
 def fused_backward(impl, q, k, **opts) -> bool:

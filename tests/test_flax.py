@@ -229,6 +229,22 @@ def test_direct_call_with_bias_and_float_mask(rng):
                      (q, k, v), rng)
 
 
+def test_segment_ids_match_a_segment_mask(rng):
+  """Packed sequences over two batch dims: ``segment_ids`` give Flax's
+  default attention under the mask of equal ids, a row whose id no key has
+  (cross-attention) the mean of the values as there."""
+  batch, S, H = (2, 3), 40, 16
+  q = jnp.asarray(rng.standard_normal(batch + (T, N, H)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal(batch + (S, N, H)), jnp.float32) for _ in "kv")
+  q_ids = jnp.asarray(np.sort(rng.integers(0, 4, batch + (T,)), axis=-1), jnp.int32)
+  kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, batch + (S,)), axis=-1), jnp.int32)
+  mask = nn.make_attention_mask(q_ids, kv_ids, pairwise_fn=jnp.equal)
+  ours = lambda bias, qkv: attention_fn(*qkv, bias=bias, segment_ids=(q_ids, kv_ids))
+  flax = lambda bias, qkv: nn.dot_product_attention(*qkv, bias=bias, mask=mask)
+  bias = jnp.asarray(rng.standard_normal((N, T, S)), jnp.float32)
+  check_matches_flax({"segment_ids": ours}, flax, bias, (q, k, v), rng)
+
+
 def test_dtype_casts_the_computation(rng):
   """Flax's ``dtype``: the inputs cast to it, the output in it; None keeps
   the inputs' promoted dtype. No batch dims."""

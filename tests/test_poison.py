@@ -49,6 +49,8 @@ CASES = {
     "decode_32_rows": dict(B=1, T=4, S=4099, N=8, K=1, H=128, dtype="bfloat16"),
     "decode_64_rows": dict(B=2, T=16, S=1500, N=8, K=2, H=64, dtype="bfloat16",
                            opts=dict(is_causal=True, key_value_seq_lengths=(1500, 9))),
+    # Segment ids (rows of an id no key has see nothing), sinks and ALiBi.
+    "features": dict(B=2, T=97, S=131, N=4, K=2, H=40, features=True),
 }
 
 
@@ -60,6 +62,7 @@ def test_every_output_element_is_written(name, rng, impl):
   dtype = tu.DTYPES[spec.pop("dtype", "float32")]
   B = spec.pop("B")
   with_mask = spec.pop("mask", False)
+  with_features = spec.pop("features", False)
   if impl in ascend.IMPLEMENTATIONS:
     pytest.skip("the Ascend targets take operands padded to whole tiles, so the outputs here "
                 "are slices of the kernel's; test_ascend.py::test_outputs_fully_written "
@@ -77,11 +80,21 @@ def test_every_output_element_is_written(name, rng, impl):
   mask = None
   if with_mask:  # half the keys of every row masked (some rows fully)
     mask = tu.random_mask(rng, (q.shape[0], 1, q.shape[-3], k.shape[-3]), 0.5)
+  features, ref_mask, ref_bias, ref_sinks = {}, mask, None, None
+  if with_features:
+    (B_, T, N), S = q.shape[:3], k.shape[1]
+    q_ids = np.sort(rng.integers(0, 4, (B_, T)), axis=1).astype(np.int32)
+    kv_ids = np.sort(rng.integers(0, 3, (B_, S)), axis=1).astype(np.int32)
+    ref_sinks = rng.normal(size=(1, N)).astype(np.float32)
+    slopes = rng.uniform(0.01, 0.2, N).astype(np.float32)
+    features = dict(segment_ids=(q_ids, kv_ids), sinks=ref_sinks[0], alibi_slopes=slopes)
+    ref_mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    ref_bias = -slopes[None, :, None, None] * np.abs(np.arange(T)[:, None] - np.arange(S))
 
   def attention(poison, q, k, v, mask):
     del poison  # donated: its buffers become the outputs'
     return fast_attention(q, k, v, mask=mask, return_residual=True,
-                          implementation=impl, **opts)
+                          implementation=impl, **opts, **features)
 
   poisoned = jax.jit(attention, donate_argnums=0, keep_unused=True)
   poison = (jnp.full(q.shape, jnp.nan, q.dtype),
@@ -96,7 +109,7 @@ def test_every_output_element_is_written(name, rng, impl):
   out64, lse64 = np.asarray(out, np.float64), np.asarray(lse, np.float64)
   assert not np.isnan(out64).any(), f"{np.isnan(out64).sum()} output elements never written"
   assert not np.isnan(lse64).any(), f"{np.isnan(lse64).sum()} LSE elements never written"
-  ref_out, ref_lse = tu.reference64(q, k, v, mask=mask, **opts)
+  ref_out, ref_lse = tu.reference64(q, k, v, ref_bias, ref_mask, sinks=ref_sinks, **opts)
   name_ = tu.dtype_name(q)
   assert tu.max_err(out, ref_out) <= 2 * tu.XLA_MAX_ERR[name_]
   assert np.array_equal(np.isneginf(lse64), np.isneginf(ref_lse))

@@ -196,7 +196,7 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
     v.extras = extras;
     return "";
   }
-  const bool operands = c.bias || c.mask || c.q_lens;
+  const bool operands = c.bias || c.mask || c.row_operands;
   const int rows = fa_decode_rows(kernel_sm, c.T * G);
   // Build 80 reads a quantized cache in place at H a multiple of 16.
   const int quant = kernel_sm >= 80 && c.H % 16 == 0 ? c.kv_quant : 0;

@@ -54,7 +54,10 @@ struct KernelVariant {
 struct CallShape {
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
   int dtype = kFaF16;
-  bool bias = false, mask = false, q_lens = false;
+  // Per-element logit terms (a bias, ALiBi), a mask, and operands only the
+  // forward kernels read (query lengths, segment ids, sinks): each keeps the
+  // call off the decode kernel; the first two compile the extras in.
+  bool bias = false, mask = false, row_operands = false;
   FaRules rules{};
   bool backward = false;  // the gradients' kernels (attention_backward.cu)
   bool deterministic = false;  // backward: a fixed summation order (no atomics)

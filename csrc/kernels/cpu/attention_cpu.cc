@@ -191,14 +191,14 @@ struct Scratch {
   int64_t* hi;        // rows
   int64_t* bias_off;  // rows       offset of each row's (b, n, i, 0) bias / mask element
   int64_t* mask_off;  // rows
-  int64_t* pos;       // rows       key position pos(i) of each row (ALiBi)
+  int32_t* pos;       // rows       key position pos(i) of each row (ALiBi; < 2^30)
   float* slope;       // rows       ALiBi slope of each row
   int32_t* seg;       // rows       segment id of each row
 
   // Size in floats; every region is a multiple of 16 floats (64 bytes).
   static int64_t floats(const Problem& pb) {
     return 2 * round_up(pb.q_floats, 16) + kBc * kBb + round_up(pb.kv_floats, 16) +
-           2 * pb.row_capacity + kBb + 2 * kBb + 12 * pb.row_capacity;
+           2 * pb.row_capacity + kBb + 2 * kBb + 11 * pb.row_capacity;
   }
 
   Scratch(float* base, const Problem& pb) {
@@ -216,7 +216,7 @@ struct Scratch {
     hi = lo + rows;
     bias_off = hi + rows;
     mask_off = bias_off + rows;
-    pos = mask_off + rows;
+    pos = reinterpret_cast<int32_t*>(mask_off + rows);
     slope = reinterpret_cast<float*>(pos + rows);
     seg = reinterpret_cast<int32_t*>(slope + rows);
   }

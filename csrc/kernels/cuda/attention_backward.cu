@@ -235,6 +235,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (wk0 < blk.j1) {
       int lo, hi;
       fa_rows_keys(p.rules, q_len, kv_len, i0, i0 + kBq, &lo, &hi);
+      fa_segment_keys(p.features, p.T, blk.b, i0, i0 + kBq, &lo, &hi);
       if (hi > wk0 && lo < wk1) {  // a key of this warp is seen
         float s[kBq / 8][4], dp[kBq / 8][4];
         rows_times_rows<kBq>(sk + a_offset(16 * warp, lane), sq(st), lane, s);

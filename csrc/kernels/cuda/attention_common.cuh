@@ -234,20 +234,43 @@ __device__ __forceinline__ float fa_tanh(float x) {
   return y;
 }
 
+// ALiBi for query row i of head n: its slope (0 without ALiBi) and key
+// position, read once per row (and tile) rather than per logit.
+struct FaAlibiRow {
+  float slope;
+  int pos;
+};
+
+__device__ __forceinline__ FaAlibiRow fa_alibi_row(const FaParams& p, int b, int n, int i) {
+  const FaFeatures& f = p.features;
+  if (!f.alibi) return {0.f, 0};
+  return {fa_alibi_slope(f, b, n),
+          p.rules.end_aligned ? fa_row_pos(p.rules, fa_q_len(p, b), fa_kv_len(p, b), i) : i};
+}
+
+// x with ALiBi's term of key j added (x itself where the slope is 0),
+// forward and backward alike.
+__device__ __forceinline__ float fa_add_alibi(float x, const FaAlibiRow& a, int j) {
+  return a.slope != 0.f ? x + fa_alibi_term(a.slope, a.pos, j) : x;
+}
+
 // The logit of a visible (row i, key j) from the raw q . k; -inf if masked.
-// Only for FA_EXTRAS kernels; the others take x * scale.
-__device__ __forceinline__ float fa_extras_logit(const FaParams& p, float qk,
-                                                 int b, int n, int i, int j) {
+// Only for FA_EXTRAS kernels; the others take x * scale. `alibi`: row i's
+// (fa_alibi_row).
+__device__ __forceinline__ float fa_extras_logit(const FaParams& p, float qk, int b, int n,
+                                                 int i, int j, const FaAlibiRow& alibi) {
   float x = __fmul_rn(qk, p.rules.scale);  // rounded on its own, as the backward's
   if (p.rules.softcap > 0.f) x = p.rules.softcap * fa_tanh(x / p.rules.softcap);
   if (p.bias) {
     x += p.bias[b * p.bias_strides[0] + n * p.bias_strides[1] +
                 i * p.bias_strides[2] + j * p.bias_strides[3]];
   }
+  x = fa_add_alibi(x, alibi, j);
   if (p.mask && !p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] +
                         i * p.mask_strides[2] + j * p.mask_strides[3]]) {
     x = FA_NEG_INF;
   }
+  if (!fa_same_segment(p.features, p.T, p.S, b, i, j)) x = FA_NEG_INF;
   return x;
 }
 
@@ -382,6 +405,7 @@ __device__ __forceinline__ FaBlock fa_block(const FaParams& p, int Br, int Bc) {
   k.m0 = mb * Br;
   k.q_len = fa_q_len(p, k.b), k.kv_len = fa_kv_len(p, k.b);
   fa_rows_keys(p.rules, k.q_len, k.kv_len, k.m0, k.m0 + Br, &k.lo, &k.hi);
+  fa_segment_keys(p.features, p.T, k.b, k.m0, k.m0 + Br, &k.lo, &k.hi);
   fa_key_tiles(k.lo, k.hi, Bc, &k.t_begin, &k.t_end);
   fa_split_tiles(k.split, p.split.parts, &k.t_begin, &k.t_end);
   return k;

@@ -50,6 +50,8 @@ __device__ __forceinline__ void prob_and_ds(const FaGradParams& p, float qk, flo
     seen = p.mask[b * p.mask_strides[0] + n * p.mask_strides[1] + i * p.mask_strides[2] +
                   j * p.mask_strides[3]];
   }
+  if (seen) seen = fa_same_segment(p.features, p.T, p.S, b, i, j);
+  if (seen) x = fa_add_alibi(x, fa_alibi_row(p, b, n, i), j);
 #else
   constexpr float slope = 1.f;
 #endif
@@ -139,6 +141,14 @@ __device__ __forceinline__ FaKeyBlock fa_key_block(const FaParams& p, int Bc, in
   return k;
 }
 
+// The first row of the steps over block k's rows: 0, or where the segment
+// ids let its keys be seen from (fa_segment_rows), rounded down to a step.
+__device__ __forceinline__ int fa_first_row(const FaParams& p, const FaKeyBlock& k, int rows) {
+  int lo = 0, hi = k.q_len;
+  fa_segment_rows(p.features, p.S, k.b, k.j0, k.j1, &lo, &hi);
+  return lo / rows * rows;
+}
+
 // The query steps (head n, rows i0 .. i0 + rows) that see a key of block k,
 // in order over its heads: fa_first_step, then fa_next_step until n ==
 // k.n_end. The same for every thread.
@@ -146,18 +156,19 @@ __device__ __forceinline__ void fa_next_step(const FaParams& p, const FaKeyBlock
                                              int& n, int& i0) {
   for (i0 += rows;; i0 += rows) {
     if (i0 >= k.q_len) {
-      i0 = 0;
+      i0 = fa_first_row(p, k, rows);
       if (++n >= k.n_end) return;
     }
     int lo, hi;
     fa_rows_keys(p.rules, k.q_len, k.kv_len, i0, i0 + rows, &lo, &hi);
+    fa_segment_keys(p.features, p.T, k.b, i0, i0 + rows, &lo, &hi);
     if (hi > k.j0 && lo < k.j1) return;
   }
 }
 __device__ __forceinline__ void fa_first_step(const FaParams& p, const FaKeyBlock& k, int rows,
                                               int& n, int& i0) {
   n = k.j0 < k.kv_len ? k.n_end - p.N / p.K : k.n_end;  // keys past the length: no step
-  i0 = -rows;
+  i0 = fa_first_row(p, k, rows) - rows;
   if (n < k.n_end) fa_next_step(p, k, rows, n, i0);
 }
 

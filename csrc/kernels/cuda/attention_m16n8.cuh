@@ -147,6 +147,9 @@ __device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     [[maybe_unused]] const int i = row0 + h * 8;
+#if FA_EXTRAS
+    const FaAlibiRow alibi = fa_alibi_row(p, b, n, i);
+#endif
     float mx = FA_NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt) {
@@ -156,7 +159,9 @@ __device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs
 #if FA_EXTRAS
         // Masked keys stay -inf; bias / mask are read only for visible
         // (i, j), the only ones in bounds.
-        if (x != FA_NEG_INF) x = fa_extras_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e);
+        if (x != FA_NEG_INF) {
+          x = fa_extras_logit(p, x, b, n, i, n0 + nt * 8 + 2 * t4 + e, alibi);
+        }
         s[nt][2 * h + e] = x;
 #endif
         mx = fmaxf(mx, x);
@@ -235,9 +240,10 @@ __device__ __forceinline__ void fa_write_rows(const FaParams& p, const float (&o
     lh += __shfl_xor_sync(0xffffffffu, lh, 1);
     lh += __shfl_xor_sync(0xffffffffu, lh, 2);
     const int i = row0 + h * 8;
-    const float inv = lh == 0.f ? 0.f : 1.f / lh;
-    const float lse = fa_lse(m[h], lh, u.to_nat);
+    float inv = lh == 0.f ? 0.f : 1.f / lh;
+    float lse = fa_lse(m[h], lh, u.to_nat);
     if (i >= p.T) continue;
+    if (slot < 0) inv *= fa_join_sink(p.features, b, n, &lse);  // split: at the merge
     if (slot >= 0) {
       const long long row = slot * Br + i - m0;
       float* dst = p.split.partial_out + row * p.H;

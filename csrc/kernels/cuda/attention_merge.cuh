@@ -15,5 +15,6 @@ extern "C" __global__ void __launch_bounds__(kFaMergeThreads) fa_merge(const FaP
                                               kBr, p.H),
                        p.split.parts, min(kBr, p.T - blk.m0), threadIdx.x, kFaMergeThreads,
                        [&](int r) { return fa_at(p.out_stride, blk.b, blk.m0 + r, blk.n); },
-                       [&](int r) { return fa_at(p.lse_stride, blk.b, blk.m0 + r, blk.n); });
+                       [&](int r) { return fa_at(p.lse_stride, blk.b, blk.m0 + r, blk.n); },
+                       [&](float* lse) { return fa_join_sink(p.features, blk.b, blk.n, lse); });
 }

@@ -87,11 +87,18 @@ __device__ __forceinline__ auto fa_workspace_slots(const FaSplitKV& s, long long
 // `tid` of `threads` takes four columns of a row at a time and merges the
 // segments as an online softmax over them, each segment's LSE loaded with its
 // O quad: from the workspace, one round trip to L2 per kLoads segments.
-// kLoads is the kernel's register budget for it.
-template <int kLoads, class Load, class OutAt, class LseAt>
+// kLoads is the kernel's register budget for it. join(&lse) takes a merged
+// row's LSE and returns the factor its output takes (the forward's sinks,
+// fa_join_sink; FaNoJoin by default).
+struct FaNoJoin {
+  __device__ __forceinline__ float operator()(float*) const { return 1.f; }
+};
+
+template <int kLoads, class Load, class OutAt, class LseAt, class Join = FaNoJoin>
 __device__ __forceinline__ void fa_merge_segments(const FaOperands& p, Load load, int segments,
                                                   int valid, int tid, int threads,
-                                                  OutAt out_at, LseAt lse_at) {
+                                                  OutAt out_at, LseAt lse_at,
+                                                  Join join = Join()) {
   const int quads = p.H / 4;
   for (int i = tid; i < valid * quads; i += threads) {
     const int r = i / quads, e = 4 * (i % quads);
@@ -122,11 +129,13 @@ __device__ __forceinline__ void fa_merge_segments(const FaOperands& p, Load load
       }
       mx = m_new;
     }
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    float inv = sum == 0.f ? 0.f : 1.f / sum;
+    float lse = fa_lse(mx, sum, 1.f);
+    inv *= join(&lse);
 #pragma unroll
     for (int f = 0; f < 4; ++f) acc[f] *= inv;
     fa_store_quad(p.out, out_at(r) + e, acc);
-    if (e == 0) p.lse[lse_at(r)] = fa_lse(mx, sum, 1.f);
+    if (e == 0) p.lse[lse_at(r)] = lse;
   }
 }
 

@@ -94,6 +94,9 @@ template <bool kMasked>
 __device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p,
                                           int b, int n, int q_len, int kv_len,
                                           int row0, int key0) {
+#if FA_EXTRAS
+  const FaAlibiRow alibi[2] = {fa_alibi_row(p, b, n, row0), fa_alibi_row(p, b, n, row0 + 2)};
+#endif
 #pragma unroll
   for (int j = 0; j < kNTS; ++j)
 #pragma unroll
@@ -101,7 +104,7 @@ __device__ __forceinline__ void to_logits(float (&s)[kNTS][8], const FaParams& p
       const int i = row0 + (e & 2), key = key0 + j * 8 + (e & 4) + (e & 1);
       const bool vis = !kMasked || fa_visible(p.rules, q_len, kv_len, i, key);
 #if FA_EXTRAS
-      s[j][e] = vis ? fa_extras_logit(p, s[j][e], b, n, i, key) : FA_NEG_INF;
+      s[j][e] = vis ? fa_extras_logit(p, s[j][e], b, n, i, key, alibi[(e & 2) >> 1]) : FA_NEG_INF;
 #else
       if (!vis) s[j][e] = FA_NEG_INF;
 #endif
@@ -269,6 +272,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) fa_forward(const FaParams
     const float l = l_run[r] + shfl_xor2f(l_run[r]);
     inv[r] = l == 0.f ? 0.f : 1.f / l;
     lse[r] = fa_lse(m_run[r], l, units.to_nat);
+    // The sinks join unsplit rows here, split ones at the merge.
+    if (slot < 0) inv[r] *= fa_join_sink(p.features, end.b, end.n, &lse[r]);
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
