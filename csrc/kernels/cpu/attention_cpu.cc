@@ -135,10 +135,15 @@ bool cpu_reads_in_place(const AttentionParams& p) {
 namespace {
 
 // The backward's tiles: kBwdBr query rows by kBwdBc keys, a multiple of every vector width (the
-// keys are the lanes). 64 x 64 keeps a tile's P, dS and soft-cap factors (48 KB) and the key
-// tile's K^T, V^T, dK^T and dV^T (64 KB at H = 64) within L2.
+// keys are the lanes). Every (query block, key tile) reloads the block's Q and dO rows and adds to
+// its dQ partial, which wider tiles do less often; the products stream their operands from L2
+// either way. Backward alone, f32, T = S, N = K = 8, 2 threads, CPU ms per call with kBwdBc = 64 /
+// 128 / 256 (interleaved on the shared development VM): H = 64, S = 1024 61.6 / 61.7 / 58.8,
+// S = 2048 256 / 245 / 235, S = 4096 1123 / 999 / 936; S = 1024, H = 128 114 / 113 / 112,
+// H = 256 253 / 237 / 226; causal, H = 64, S = 2048: 131 / - / 123 (a block computes only the
+// vectors of keys it sees). The scratch is 0.55 MB per worker at H = 64 (1.6 MB at H = 256).
 constexpr int64_t kBwdBr = 64;
-constexpr int64_t kBwdBc = 64;
+constexpr int64_t kBwdBc = 256;
 
 // Splits of each (b, kh)'s key tiles (dQ partials summed afterwards): enough for
 // kBwdItemsPerWorker items per worker, at most kBwdMaxSplits, which bounds the partials' memory
