@@ -138,10 +138,21 @@ bool cpu_reads_in_place(const AttentionParams& p) {
 namespace {
 
 // The backward's tiles: kBwdBr query rows by kBwdBc keys, a multiple of every vector width (the
-// keys are the lanes). 64 x 64 keeps a tile's P, dS and soft-cap factors (48 KB) and the key
-// tile's K^T, V^T, dK^T and dV^T (64 KB at H = 64) within L2.
+// keys are the lanes). Every (query block, key tile) reloads the block's Q and dO rows and adds to
+// its dQ partial, which wider tiles do less often; the products stream their operands from L2
+// either way. Backward alone, f32, T = S, N = K = 8, 2 threads, CPU ms per call with kBwdBc = 64 /
+// 128 / 256 (interleaved on the shared development VM): H = 64, S = 1024 61.6 / 61.7 / 58.8,
+// S = 2048 256 / 245 / 235, S = 4096 1123 / 999 / 936; S = 1024, H = 128 114 / 113 / 112,
+// H = 256 253 / 237 / 226; causal, H = 64, S = 2048: 131 / - / 123 (a block computes only the
+// vectors of keys it sees). The scratch is 0.55 MB per worker at H = 64 (1.6 MB at H = 256).
 constexpr int64_t kBwdBr = 64;
-constexpr int64_t kBwdBc = 64;
+constexpr int64_t kBwdBc = 256;
+
+// Splits of each (b, kh)'s key tiles (dQ partials summed afterwards): enough for
+// kBwdItemsPerWorker items per worker, at most kBwdMaxSplits, which bounds the partials' memory
+// to kBwdMaxSplits float32 copies of dQ.
+constexpr int64_t kBwdItemsPerWorker = 2;
+constexpr int64_t kBwdMaxSplits = 4;
 
 // Below this many floating-point operations per extra worker, a worker costs more than it saves:
 // a second thread breaks even at T = S = 64, N = 4, H = 64 (4.2 MFLOP, 104 vs 96 us).
@@ -222,6 +233,16 @@ struct Scratch {
   }
 };
 
+// A backward call, shared by all workers: item (b, kh, split) takes a split of the key tiles of
+// (b, kh) and adds the dQ it finds into its split's partial, which no other item writes.
+struct BackwardProblem {
+  const AttentionGradParams* g;
+  int64_t splits;       // ranges of key tiles per (b, kh), each its own item and dQ partial
+  int64_t split_tiles;  // key tiles per split (the last one may have fewer)
+  int64_t ldp;          // floats per dQ partial row: H rounded up to 16
+  float* dq_part;       // (splits, B, N, T, ldp) float32 dQ partials, unscaled
+};
+
 // ---------------------------------------------------------------------------------------------
 // One copy of the kernel per instruction set. Each is compiled for its set from the start (a
 // target region, not a target attribute on an entry point: vector code first optimized for the
@@ -288,12 +309,14 @@ constexpr int kVecs = 3;
 
 // Runs one work item on a worker's scratch.
 using Worker = void (*)(const Problem&, float*, int64_t);
-using BackwardWorker = void (*)(const AttentionGradParams&, float*, int64_t);
+using BackwardWorker = void (*)(const BackwardProblem&, float*, int64_t);
+using DqWorker = void (*)(const BackwardProblem&, int64_t);
 using ScratchFloats = int64_t (*)(int64_t);
 
 struct Kernels {
   Worker forward;
   BackwardWorker backward;
+  DqWorker backward_dq;
   ScratchFloats backward_scratch;
   int64_t lanes;  // floats per vector register of the instruction set
 };
@@ -330,15 +353,16 @@ Kernels best_kernels() {
 #if FASTATTN_X86
   const CpuFeatures cpu = cpu_features();
   if (cpu.avx512) {
-    return Kernels{avx512::worker, avx512::backward_item, avx512::backward_scratch_floats,
-                   avx512::kW};
+    return Kernels{avx512::worker, avx512::backward_item, avx512::dq_item,
+                   avx512::backward_scratch_floats, avx512::kW};
   }
   if (cpu.avx2_fma) {
-    return Kernels{avx2::worker, avx2::backward_item, avx2::backward_scratch_floats, avx2::kW};
+    return Kernels{avx2::worker, avx2::backward_item, avx2::dq_item, avx2::backward_scratch_floats,
+                   avx2::kW};
   }
 #endif
-  return Kernels{baseline::worker, baseline::backward_item, baseline::backward_scratch_floats,
-                 baseline::kW};
+  return Kernels{baseline::worker, baseline::backward_item, baseline::dq_item,
+                 baseline::backward_scratch_floats, baseline::kW};
 }
 
 const Kernels& kernels() {
@@ -611,14 +635,18 @@ CpuPlan attention_forward_cpu(const AttentionParams& params, const CpuWorkers& w
 
 namespace {
 
-// The backward's plan: its items (both passes) and workers.
+// The backward's plan: its key splits, items and workers.
 CpuPlan plan_backward(const AttentionParams& p, int64_t cpus) {
   CpuPlan plan;
   plan.Br = kBwdBr;
   plan.Bc = kBwdBc;
-  plan.items = p.B * p.K * ceil_div(p.S, kBwdBc) + p.B * p.N * ceil_div(p.T, kBwdBr);
-  // The products: S and dP twice (once per pass), dV, dK and dQ once, 2 H flops per score each.
-  plan.workers = useful_workers(cpus, plan.items, 14.0 * p.B * p.N * p.T * p.S * p.H);
+  const int64_t tiles = std::max<int64_t>(1, ceil_div(p.S, kBwdBc));
+  plan.splits = std::clamp<int64_t>(ceil_div(kBwdItemsPerWorker * cpus, p.B * p.K), 1,
+                                    std::min(tiles, kBwdMaxSplits));
+  plan.splits = ceil_div(tiles, ceil_div(tiles, plan.splits));  // none left empty
+  plan.items = p.B * p.K * plan.splits;
+  // The products S, dP, dV, dK and dQ, 2 H flops per score each.
+  plan.workers = useful_workers(cpus, plan.items, 10.0 * p.B * p.N * p.T * p.S * p.H);
   plan.scratch_floats = kernels().backward_scratch(p.H);
   plan.lanes = kernels().lanes;
   return plan;
@@ -635,9 +663,23 @@ CpuPlan attention_backward_cpu(const AttentionGradParams& params, const CpuWorke
   const AttentionParams& p = params.fwd;
   if (p.B <= 0 || p.N <= 0 || p.K <= 0 || p.H <= 0) return CpuPlan{};  // no output elements
   const CpuPlan plan = plan_backward(params.fwd, std::max<int64_t>(workers.count, 1));
+  BackwardProblem bp;
+  bp.g = &params;
+  bp.splits = plan.splits;
+  bp.split_tiles = ceil_div(std::max<int64_t>(1, ceil_div(p.S, kBwdBc)), plan.splits);
+  bp.ldp = round_up(p.H, 16);
+  // Every item zeroes its own part before adding to it.
+  const std::unique_ptr<float[]> dq_part(new float[bp.splits * p.B * p.N * p.T * bp.ldp]);
+  bp.dq_part = dq_part.get();
   const BackwardWorker worker = kernels().backward;
   run_items(workers, plan.workers, plan.items, plan.scratch_floats,
-            [&](int64_t item, float* scratch) { worker(params, scratch, item); });
+            [&](int64_t item, float* scratch) { worker(bp, scratch, item); });
+  if (bp.splits > 1) {
+    const DqWorker dq = kernels().backward_dq;
+    const double adds = static_cast<double>(bp.splits) * p.B * p.N * p.T * p.H;
+    run_items(workers, useful_workers(plan.workers, p.B * p.N, adds), p.B * p.N, 0,
+              [&](int64_t item, float*) { dq(bp, item); });
+  }
   return plan;
 }
 

@@ -143,16 +143,17 @@ struct AttentionGradParams {
   void* dv = nullptr;            // (B, S, K, H)
 };
 
-// How a backward call runs: Br query rows and Bc keys per tile (Bb = 0, splits = 1); items
-// counts both passes' work items (dK/dV per key tile, dQ per query block).
+// How a backward call runs: Br query rows and Bc keys per tile (Bb = 0), the keys of each (b, kh)
+// in `splits` ranges of whole tiles, one work item each (items = B * K * splits).
 CpuPlan PlanCpuBackward(const AttentionParams& params, int64_t workers);
 
-// Computes dQ, dK and dV in two independent passes that share one item queue: items
-// (b, kh, Bc keys) recompute P and dS for every query row that sees the tile and accumulate dK and
-// dV; items (b, n, Br rows) recompute them for every key the rows see and accumulate dQ. Each
-// output element is written by one item in a fixed order: deterministic, no atomics. Rows that
-// see no key get dQ = 0, keys no row sees dK = dV = 0. Memory beyond inputs and outputs: O((Br +
-// Bc) * H) floats per worker.
+// Computes dQ, dK and dV in one pass: an item (b, kh, a range of key tiles) recomputes P and dS
+// once for each (query block, key tile) that some row sees and accumulates dK and dV of the tile
+// and the query block's dQ, into a float32 dQ partial of its range; dQ is the sum of the ranges'
+// partials in range order. Each output element is written by one item in a fixed order:
+// deterministic, no atomics. Rows that see no key get dQ = 0, keys no row sees dK = dV = 0.
+// Memory beyond inputs and outputs: O((Br + Bc) * H) floats per worker, plus the partials,
+// splits * B * N * T * round_up(H, 16) floats (splits <= 4).
 CpuPlan attention_backward_cpu(const AttentionGradParams& params, const CpuWorkers& workers);
 
 }  // namespace fastattn
