@@ -40,7 +40,7 @@ def segment_spans(q_ids, kv_ids):
   where they are not. Per key likewise, with rows for keys. The occurrences
   come from one stable sort of both sides' ids together, per sequence:
   each id's group of the sorted order gives its first and last position on
-  either side (no loop, so a GPU runs it in a few kernels).
+  either side, by scans (no loop, and no scatter but a permutation's).
   """
   B, T = q_ids.shape
   S = kv_ids.shape[1]
@@ -52,24 +52,32 @@ def segment_spans(q_ids, kv_ids):
     return jax.lax.cummin(ends, axis=1, reverse=True)
 
   def one_sequence(q, kv):
-    # Keys at [0, S), rows at [S, S + T) of the joint order.
+    # Keys at [0, S), rows at [S, S + T) of the joint order. The sort is
+    # stable, so each id's group holds its keys first, then its rows, each in
+    # position order: a group's first and last key and row are read at its
+    # ends and at its first row, found by scans (no scatter).
+    L = S + T
     joint = jnp.concatenate([kv, q])
     order = jnp.argsort(joint, stable=True).astype(jnp.int32)
     ranked = joint[order]
-    group = jnp.cumsum(jnp.concatenate([jnp.ones((1,), jnp.int32),
-                                        (ranked[1:] != ranked[:-1]).astype(jnp.int32)])) - 1
+    index = jnp.arange(L, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), ranked[1:] != ranked[:-1]])
+    ends = jnp.concatenate([starts[1:], jnp.ones((1,), bool)])
+    first = jax.lax.cummax(jnp.where(starts, index, 0))  # the group's first sorted position
+    last = jax.lax.cummin(jnp.where(ends, index, L), reverse=True)  # and its last
+    keys_before = jnp.cumsum(order < S, dtype=jnp.int32)  # keys at sorted positions <= p
+    keys = keys_before[last] - keys_before[first] + (order[first] < S)  # the group's keys
+    has_keys, has_rows = keys > 0, keys < last - first + 1
+    at = lambda p: order[jnp.clip(p, 0, L - 1)]
+    key_lo = jnp.where(has_keys, at(first), S)
+    key_hi = jnp.where(has_keys, at(first + keys - 1) + 1, 0)
+    row_lo = jnp.where(has_rows, at(first + keys) - S, T)
+    row_hi = jnp.where(has_rows, at(last) - S + 1, 0)
     is_key = order < S
-    # Per group, the least or greatest position on one side (fill where the
-    # group has none there), read back at each member of the group.
-    bound = lambda side, offset, op, fill: op(
-        jnp.where(side, order - offset, fill), group, num_segments=S + T)
-    key_lo = bound(is_key, 0, jax.ops.segment_min, S)[group]
-    key_hi = bound(is_key, -1, jax.ops.segment_max, 0)[group]
-    row_lo = bound(~is_key, S, jax.ops.segment_min, T)[group]
-    row_hi = bound(~is_key, S - 1, jax.ops.segment_max, 0)[group]
     # Back to each position's own order (order is a permutation).
-    lo = jnp.zeros((S + T,), jnp.int32).at[order].set(jnp.where(is_key, row_lo, key_lo))
-    hi = jnp.zeros((S + T,), jnp.int32).at[order].set(jnp.where(is_key, row_hi, key_hi))
+    back = lambda x: jnp.zeros((L,), jnp.int32).at[order].set(x, unique_indices=True)
+    lo = back(jnp.where(is_key, row_lo, key_lo))
+    hi = back(jnp.where(is_key, row_hi, key_hi))
     return (lo[S:], hi[S:]), (lo[:S], hi[:S])
 
   if S == 0 or T == 0:
