@@ -136,31 +136,34 @@ struct FaFeatures {
   int sinks_b, alibi_b;  // N, or 0 where broadcast over B
 };
 
-// A span's fields: id, run end, lo, hi.
-constexpr int kFaSpan = 4;
+// A span's fields, kFaSpan ints per position.
+enum FaSpanField { kFaSpanId, kFaSpanRunEnd, kFaSpanLo, kFaSpanHi, kFaSpan };
 
-// Narrows keys [*lo, *hi) to those that rows [m0, m1) of batch b can share
-// a segment with (a bound: exact where the ids are sorted).
+// Narrows [*lo, *hi) to the other side's positions that positions [p0, p1)
+// of batch b can share a segment with (a bound: exact where the ids are
+// sorted), from this side's spans (L per batch); unchanged without ids.
 template <class I>
-FA_HOST_DEVICE void fa_segment_keys(const FaFeatures& f, I T, I b, I m0, I m1, I* lo, I* hi) {
-  if (m1 > T) m1 = T;
-  if (!f.q_spans || m1 <= m0) return;
-  const I first = f.q_spans[(b * T + m0) * kFaSpan + 2];
-  const I last = f.q_spans[(b * T + m1 - 1) * kFaSpan + 3];
+FA_HOST_DEVICE void fa_span_bounds(const int* spans, I L, I b, I p0, I p1, I* lo, I* hi) {
+  if (p1 > L) p1 = L;
+  if (!spans || p1 <= p0) return;
+  const I first = spans[(b * L + p0) * kFaSpan + kFaSpanLo];
+  const I last = spans[(b * L + p1 - 1) * kFaSpan + kFaSpanHi];
   if (first > *lo) *lo = first;
   if (last < *hi) *hi = last;
+}
+
+// Narrows keys [*lo, *hi) to those that rows [m0, m1) of batch b can share
+// a segment with.
+template <class I>
+FA_HOST_DEVICE void fa_segment_keys(const FaFeatures& f, I T, I b, I m0, I m1, I* lo, I* hi) {
+  fa_span_bounds(f.q_spans, T, b, m0, m1, lo, hi);
 }
 
 // Narrows rows [*lo, *hi) to those that keys [n0, n1) of batch b can share
 // a segment with.
 template <class I>
 FA_HOST_DEVICE void fa_segment_rows(const FaFeatures& f, I S, I b, I n0, I n1, I* lo, I* hi) {
-  if (n1 > S) n1 = S;
-  if (!f.kv_spans || n1 <= n0) return;
-  const I first = f.kv_spans[(b * S + n0) * kFaSpan + 2];
-  const I last = f.kv_spans[(b * S + n1 - 1) * kFaSpan + 3];
-  if (first > *lo) *lo = first;
-  if (last < *hi) *hi = last;
+  fa_span_bounds(f.kv_spans, S, b, n0, n1, lo, hi);
 }
 
 // Whether rows [m0, m1) and keys [n0, n1) of batch b all hold one segment
@@ -172,13 +175,15 @@ FA_HOST_DEVICE bool fa_segment_whole(const FaFeatures& f, I T, I S, I b, I m0, I
   if (m0 >= T || n0 >= S) return false;
   const int* q = f.q_spans + (b * T + m0) * kFaSpan;
   const int* k = f.kv_spans + (b * S + n0) * kFaSpan;
-  return q[1] >= (m1 < T ? m1 : T) && k[1] >= (n1 < S ? n1 : S) && q[0] == k[0];
+  return q[kFaSpanRunEnd] >= (m1 < T ? m1 : T) && k[kFaSpanRunEnd] >= (n1 < S ? n1 : S) &&
+         q[kFaSpanId] == k[kFaSpanId];
 }
 
 // Whether row i and key j of batch b share a segment (true without ids).
 template <class I>
 FA_HOST_DEVICE bool fa_same_segment(const FaFeatures& f, I T, I S, I b, I i, I j) {
-  return !f.q_spans || f.q_spans[(b * T + i) * kFaSpan] == f.kv_spans[(b * S + j) * kFaSpan];
+  return !f.q_spans || f.q_spans[(b * T + i) * kFaSpan + kFaSpanId] ==
+                           f.kv_spans[(b * S + j) * kFaSpan + kFaSpanId];
 }
 
 // ALiBi's slope of (b, n); 0 without ALiBi.
