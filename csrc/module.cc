@@ -52,6 +52,7 @@ nb::dict VariantDict(const cu::KernelVariant& v) {
                      {"dtype", v.dtype},
                      {"out_dtype", v.out_dtype},
                      {"extras", v.extras},
+                     {"features", v.features},
                      {"decode_rows", v.decode_rows},
                      {"paged", v.paged},
                      {"kv_quant", v.kv_quant},
@@ -144,7 +145,7 @@ NB_MODULE(_ffi, m) {
            int dtype, bool bias, bool mask, bool row_operands, float scale, float softcap,
            int64_t causal, int64_t end_aligned, int64_t window_left, int64_t window_right,
            bool backward, bool deterministic, int out_dtype, bool for_backward, bool paged,
-           int kv_quant) {
+           int kv_quant, bool features) {
           cu::CallShape c{B, T, S, N, K, H, dtype, bias, mask, row_operands,
                           fa_make_rules(scale, softcap, causal, end_aligned, window_left,
                                         window_right),
@@ -153,6 +154,7 @@ NB_MODULE(_ffi, m) {
           c.for_backward = for_backward;
           c.paged = paged;
           c.kv_quant = kv_quant;
+          c.features = features;
           cu::CallPlan plan;
           if (std::string why = cu::PlanCall(kernel_sm, c, &plan); !why.empty()) {
             throw nb::value_error(why.c_str());
@@ -170,14 +172,15 @@ NB_MODULE(_ffi, m) {
         nb::arg("end_aligned"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("backward") = false, nb::arg("deterministic") = false,
         nb::arg("out_dtype") = -1, nb::arg("for_backward") = false, nb::arg("paged") = false,
-        nb::arg("kv_quant") = 0,
+        nb::arg("kv_quant") = 0, nb::arg("features") = false,
         "The variant and operand layout kernel kernel_sm serves a call (or its backward, "
         "deterministic: with a fixed summation order) "
         "with; out_dtype: the forward's out dtype code (-1: dtype's); for_backward: the "
         "VJP's forward, whose logits the backward recomputes bit for bit; paged: k and v "
         "are pools of pages (only the decode kernel's paged build reads them); kv_quant: "
         "the code of a quantized cache's element (0: none; only the decode kernel's build "
-        "80 reads one); ValueError names why it cannot.");
+        "80 reads one); features: segment ids or ALiBi (a features build or the extras); "
+        "ValueError names why it cannot.");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int cc, int multiprocessors, int blocks_per_sm) {

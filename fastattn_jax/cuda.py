@@ -168,17 +168,18 @@ def plan(implementation: str, config: AttentionConfig, q_shape, k_shape, dtype,
   B, T, N, H = q_shape
   S, K = k_shape[1], k_shape[2]
   left, right = config.window_bounds
-  # ALiBi and segment ids are per-element terms of the logits, as a bias is
-  # (the kernels' extras); sinks (the rows' final write) are in every forward
-  # kernel. None is in the decode kernel.
+  # Sinks (the rows' final write) are in every forward kernel; segment ids
+  # and ALiBi, per-element terms, in the features and extras builds. None is
+  # in the decode kernel.
   return _ffi.cuda_plan_call(
       IMPLEMENTATIONS[implementation], B, T, S, N, K, H, DTYPE_CODES[jnp.dtype(dtype).name],
-      bias or config.has_alibi or config.has_segment_ids, mask, q_lens or config.has_sinks,
+      bias, mask, q_lens or config.has_sinks,
       config.scale, config.softcap or 0.0, config.is_causal,
       config.end_aligned, left, right, backward, config.deterministic,
       DTYPE_CODES["float32"] if config.float32_out and not backward else -1,
       config.for_backward and not backward, config.has_block_table and not backward,
-      DTYPE_CODES[jnp.dtype(kv_dtype).name] if config.has_kv_scales and not backward else 0)
+      DTYPE_CODES[jnp.dtype(kv_dtype).name] if config.has_kv_scales and not backward else 0,
+      config.has_segment_ids or config.has_alibi)
 
 
 def describe_variant(plan_: dict) -> str:

@@ -44,7 +44,7 @@ std::string KernelVariant::Describe() const {
            (kv_quant ? std::string(" ") + DtypeName(kv_quant) + " cache" : "");
   }
   return "sm" + std::to_string(kernel_sm) + " H=" + std::to_string(head_dim) + " " + types +
-         (extras ? " extras" : "");
+         (extras ? " extras" : "") + (features ? " features" : "");
 }
 
 std::string KernelVariant::Check() const {
@@ -57,6 +57,9 @@ std::string KernelVariant::Check() const {
   if (dtype != kFaF16 && dtype != kFaBF16) return "dtype must be f16 or bf16";
   if (out_dtype < kFaF16 || out_dtype > kFaF32) return "out_dtype must be f16, bf16 or f32";
   if (extras != 0 && extras != 1) return "extras must be 0 or 1";
+  if (features != 0 && (features != 1 || extras || backward || decode_rows || kernel_sm != 90)) {
+    return "features: the forward kernel 90 without extras only, 0 or 1";
+  }
   if (paged != 0 && (paged != 1 || !decode_rows)) return "paged: the decode kernel only, 0 or 1";
   if (kv_quant != 0 && ((kv_quant != kFaI8 && kv_quant != kFaF8E4M3) || !decode_rows ||
                         kernel_sm != 80)) {
@@ -115,6 +118,7 @@ std::vector<std::string> KernelVariant::Defines() const {
     d.push_back("-DFA_DECODE_PAGED=" + std::to_string(paged));
     d.push_back("-DFA_KV_QUANT=" + std::to_string(kv_quant));
   }
+  if (!decode_rows && !backward) d.push_back("-DFA_FEATURES=" + std::to_string(features));
   if (backward) d.push_back("-DFA_ATOMIC_DQ=" + std::to_string(backward == 2));
   return d;
 }
@@ -129,17 +133,20 @@ FaTile KernelVariant::Tile(int cc) const {
 // the quantized cache's element code (3 bits).
 constexpr int kPagedBit = 40;
 constexpr int kKvQuantBit = 41;
+constexpr int kFeaturesBit = 44;
 
 int64_t KernelVariant::Key() const {
   // backward, paged and kv_quant above the other fields: the other variants keep their keys.
-  return (int64_t{kv_quant} << kKvQuantBit) + (int64_t{paged} << kPagedBit) +
+  return (int64_t{features} << kFeaturesBit) + (int64_t{kv_quant} << kKvQuantBit) +
+         (int64_t{paged} << kPagedBit) +
          ((((((int64_t{backward} * 128 + kernel_sm) * 1024 + head_dim) * 4 + dtype) * 4 +
             out_dtype) * 2 + extras) * 128 + decode_rows);
 }
 
 KernelVariant KernelVariant::FromKey(int64_t key) {
   KernelVariant v;
-  v.kv_quant = static_cast<int>(key >> kKvQuantBit);
+  v.features = static_cast<int>(key >> kFeaturesBit);
+  v.kv_quant = static_cast<int>((key >> kKvQuantBit) & 7);
   v.paged = static_cast<int>((key >> kPagedBit) & 1);
   key &= (int64_t{1} << kPagedBit) - 1;
   v.decode_rows = static_cast<int>(key % 128);
@@ -193,10 +200,10 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
              std::to_string(fa_backward_max_head_dim(v.kernel_sm)) + " on this path, got H=" +
              std::to_string(c.H);
     }
-    v.extras = extras;
+    v.extras = extras || c.features;
     return "";
   }
-  const bool operands = c.bias || c.mask || c.row_operands;
+  const bool operands = c.bias || c.mask || c.row_operands || c.features;
   const int rows = fa_decode_rows(kernel_sm, c.T * G);
   // Build 80 reads a quantized cache in place at H a multiple of 16.
   const int quant = kernel_sm >= 80 && c.H % 16 == 0 ? c.kv_quant : 0;
@@ -214,7 +221,13 @@ std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   plan->fold_heads = c.T == 1 && G > 1 && !operands && r.window_left < 0 &&
                      r.window_right < 0 && (r.end_aligned || !r.causal);
   on_kernel(kernel_sm);
-  v.extras = extras;
+  // Segment ids and ALiBi: kernel 90's features build, or the extras (which
+  // have them) where the call needs those anyway, on the other kernels
+  // (their plain builds hold every register already: the features spill
+  // them), and for the VJP's forward, whose logits the backward's extras
+  // build recomputes bit for bit.
+  v.extras = extras || (c.features && (kernel_sm != 90 || c.for_backward));
+  v.features = c.features && !v.extras;
   return "";
 }
 
@@ -365,17 +378,19 @@ std::vector<KernelVariant> ShippedVariants(int cc, const std::vector<int>& head_
     }
     out.push_back(v);
   };
-  // Kernel `kernel` at head dim h for `dtype` inputs, with and without extras.
+  // Kernel `kernel` at head dim h for `dtype` inputs, with and without
+  // extras, and its features build where it has one.
   auto add_kernel = [&](int kernel, int backward, int dtype, int h) {
-    for (int extras : {0, 1}) {
+    for (int build : {0, 1, 2}) {
       KernelVariant v;
       v.backward = backward;
       v.kernel_sm = kernel;
       v.head_dim = fa_kernel_head_dim(kernel, h);
       v.dtype = OperandDtype(kernel, dtype);
       v.out_dtype = dtype;
-      v.extras = extras;
-      add(v);
+      v.extras = build == 1;
+      v.features = build == 2;
+      if (build < 2 || v.Check().empty()) add(v);
     }
   };
   for (int kernel_sm : {70, 75, 80, 90}) {

@@ -26,6 +26,8 @@ struct KernelVariant {
   int dtype = kFaF16;   // q, k, v: kFaF16 or kFaBF16 (kernels/attention_dtypes.h)
   int out_dtype = kFaF16;
   int extras = 0;       // forward kernels: bias, mask and soft cap compiled in
+  int features = 0;     // the plain forward kernel 90 (extras 0): segment ids and
+                        // ALiBi compiled in (extras builds have them too)
   int decode_rows = 0;  // > 0: the decode kernel, with this many rows per block
   int paged = 0;        // the decode kernel: k and v are pools of pages read
                         // through a block table (FaPages)
@@ -54,9 +56,9 @@ struct KernelVariant {
 struct CallShape {
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0;
   int dtype = kFaF16;
-  // Per-element logit terms (a bias, ALiBi), a mask, and operands only the
-  // forward kernels read (query lengths, segment ids, sinks): each keeps the
-  // call off the decode kernel; the first two compile the extras in.
+  // A bias, a mask, and operands only the forward kernels read (query
+  // lengths, sinks): each keeps the call off the decode kernel; the first two
+  // compile the extras in.
   bool bias = false, mask = false, row_operands = false;
   FaRules rules{};
   bool backward = false;  // the gradients' kernels (attention_backward.cu)
@@ -78,6 +80,9 @@ struct CallShape {
   // only the decode kernel's build 80 reads in place, at H a multiple of 16
   // (16-byte rows; the caller dequantizes the cache for any other kernel).
   int kv_quant = 0;
+  // Segment ids or ALiBi, per-element terms of the logits: kernel 90's
+  // features build (or the extras); off the decode kernel.
+  bool features = false;
 };
 
 // How a kernel serves a call.

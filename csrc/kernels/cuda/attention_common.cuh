@@ -20,6 +20,9 @@
 //   FA_EXTRAS     forward kernels: 1 compiles in bias, mask and soft cap
 //                 (each still off when its field is null / 0) and any scale;
 //                 0: none of them, and scale > 0
+//   FA_FEATURES   forward kernel 90 without extras: 1 compiles in
+//                 segment ids and ALiBi (fa_feature_terms); extras builds
+//                 always have them
 //   FA_DECODE_ROWS  the decode kernel's rows per block (a power of two, fa_decode_rows)
 //   FA_DECODE_PAGED the decode kernel: 1 reads k and v through a block table (FaPages)
 //   FA_KV_QUANT   the decode kernel (build 80): 0, or FA_I8 / FA_F8E4M3, k and v
@@ -86,7 +89,8 @@ struct FaParams : FaOperands {
   const int* q_lens;           // (B,): rows >= q_lens[b] see no key; or null
   FaRules rules;
   FaSplitKV split;
-  FaFeatures features;         // segment ids, sinks, ALiBi (FA_EXTRAS kernels)
+  FaFeatures features;         // sinks (forward kernels), segment ids and ALiBi
+                               // (FA_EXTRAS and FA_FEATURES kernels)
 };
 
 // The backward kernels' (attention_backward.cu): the forward's operands and

@@ -130,6 +130,47 @@ __device__ __forceinline__ void fa_mask_rows(const FaRules& rules, float (&s)[kN
   }
 }
 
+#if FA_FEATURES
+// Segment ids and ALiBi in a features build (a plain kernel: raw q . k
+// logits, units fa_units(scale)) for rows row0 and row0 + 8 over the key
+// tile at n0, after fa_mask_rows. Keys of another segment than the row's
+// become -inf, unless `whole` (fa_segment_whole of the warp's rows and the
+// tile's keys); ALiBi's term (fa_alibi_term) is added over the scale. Rows
+// >= T and keys >= S, already -inf, read the last one's span.
+template <int kNs>
+__device__ __forceinline__ void fa_feature_terms(const FaParams& p, float (&s)[kNs][4], int b,
+                                                 int n, int row0, int n0, int t4, bool whole) {
+  const FaFeatures& f = p.features;
+  if (!whole) {
+    const int* q_ids = f.q_spans + static_cast<long long>(b) * p.T * kFaSpan + kFaSpanId;
+    const int* kv_ids = f.kv_spans + static_cast<long long>(b) * p.S * kFaSpan + kFaSpanId;
+    const int id0 = q_ids[min(row0, p.T - 1) * kFaSpan];
+    const int id8 = q_ids[min(row0 + 8, p.T - 1) * kFaSpan];
+#pragma unroll
+    for (int nt = 0; nt < kNs; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int id = kv_ids[min(n0 + nt * 8 + 2 * t4 + e, p.S - 1) * kFaSpan];
+        if (id != id0) s[nt][e] = FA_NEG_INF;
+        if (id != id8) s[nt][2 + e] = FA_NEG_INF;
+      }
+  }
+  if (f.alibi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const FaAlibiRow a = fa_alibi_row(p, b, n, row0 + h * 8);
+      const float k = -a.slope / p.rules.scale;
+      const float d = static_cast<float>(a.pos - n0 - 2 * t4);  // pos - the thread's first key
+#pragma unroll
+      for (int nt = 0; nt < kNs; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          s[nt][2 * h + e] = fmaf(k, fabsf(d - static_cast<float>(nt * 8 + e)), s[nt][2 * h + e]);
+    }
+  }
+}
+#endif
+
 // The probabilities of one online-softmax step for rows row0 and row0 + 8
 // over the key tile at n0: turns the Q K^T accumulators s into probabilities
 // (one ex2 per logit, fa_weight), updates the row maximum m and partial sum

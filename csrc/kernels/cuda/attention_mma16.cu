@@ -82,6 +82,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int w0 = m0 + warp * 16 * kMt, w1 = w0 + 16 * kMt;
   int wlo, whi;
   fa_rows_keys(p.rules, q_len, kv_len, w0, w1, &wlo, &whi);
+  fa_segment_keys(p.features, p.T, b, w0, w1, &wlo, &whi);
   const int t_begin = blk.t_begin, t_end = blk.t_end;
 
   // K / V tile sources, their bases recomputed from the parameters each time

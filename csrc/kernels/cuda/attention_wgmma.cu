@@ -186,6 +186,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int n0 = tile * kBc;
     if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
       fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
+#if FA_FEATURES
+    fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
+                     fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc));
+#endif
     fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
   };
   auto pack = [&]() {
