@@ -65,6 +65,10 @@ CASES = {
                              opts=dict(key_value_seq_lengths=(30, 0))),
     "alibi": dict(B=2, T=90, S=90, N=4, K=4, H=64, alibi="heads", opts=dict(is_causal=True)),
     "alibi_per_batch_cross": dict(B=2, T=31, S=70, N=3, K=1, H=20, alibi="batch"),
+    "alibi_packed_window": dict(B=2, T=260, S=260, N=4, K=2, H=128, segments=4, order="sorted",
+                                alibi="heads", opts=dict(is_causal=True,
+                                                         local_window_size=(100, 0),
+                                                         query_seq_lengths=(260, 190))),
     "all_three_softcap": dict(B=2, T=120, S=120, N=4, K=2, H=64, segments=3, order="sorted",
                               sinks=True, alibi="heads",
                               opts=dict(is_causal=True, logits_soft_cap=20.0)),
@@ -222,25 +226,32 @@ def test_vmap_folds_features(rng, impl):
 
 def test_segment_spans_against_their_definition(rng):
   """``custom_calls.segment_spans`` (the kernels' view of the ids) equals its
-  definition, position by position, on sorted, scattered and cross ids."""
+  definition, position by position, on sorted, scattered and cross ids, and
+  its key ranges hold every key a row shares a segment with."""
   from fastattn_jax.custom_calls import segment_spans
 
-  def spans(ids, other):
-    lo = np.array([min([j for j, y in enumerate(other) if y == x], default=len(other))
-                   for x in ids])
-    hi = np.array([max([j + 1 for j, y in enumerate(other) if y == x], default=0) for x in ids])
+  def spans(ids, other, is_sorted):
     ends = [next((k for k in range(i + 1, len(ids)) if ids[k] != ids[i]), len(ids))
             for i in range(len(ids))]
-    return np.stack([ids, ends, np.minimum.accumulate(lo[::-1])[::-1],
-                     np.maximum.accumulate(hi)], -1)
+    if not is_sorted:  # every pair tested: one position per run, every key
+      return np.stack([ids, np.arange(1, len(ids) + 1), np.zeros_like(ids),
+                       np.full_like(ids, len(other))], -1)
+    return np.stack([ids, ends, [sum(y < x for y in other) for x in ids],
+                     [sum(y <= x for y in other) for x in ids]], -1)
 
-  for trial in range(12):
+  for trial in range(16):
     T, S = rng.integers(1, 40, 2)
     q_ids = rng.integers(0, 5, (2, T)).astype(np.int32)
     kv_ids = rng.integers(0, 5, (2, S)).astype(np.int32)
     if trial % 2:
       q_ids, kv_ids = np.sort(q_ids, 1), np.sort(kv_ids, 1)
+    if trial % 4 == 1:
+      kv_ids[1] = kv_ids[1, ::-1]  # one sequence sorted, the other not
     q_spans, kv_spans = jax.jit(segment_spans)(q_ids, kv_ids)
     for b in range(2):
-      np.testing.assert_array_equal(q_spans[b], spans(q_ids[b], kv_ids[b]))
-      np.testing.assert_array_equal(kv_spans[b], spans(kv_ids[b], q_ids[b]))
+      is_sorted = all(np.all(np.diff(x[b]) >= 0) for x in (q_ids, kv_ids))
+      np.testing.assert_array_equal(q_spans[b], spans(q_ids[b], kv_ids[b], is_sorted))
+      np.testing.assert_array_equal(kv_spans[b], spans(kv_ids[b], q_ids[b], is_sorted))
+      for i, x in enumerate(q_ids[b]):
+        keys = np.flatnonzero(kv_ids[b] == x)
+        assert np.all((keys >= q_spans[b, i, 2]) & (keys < q_spans[b, i, 3]))

@@ -131,15 +131,34 @@ __device__ __forceinline__ void fa_mask_rows(const FaRules& rules, float (&s)[kN
 }
 
 #if FA_FEATURES
-// Segment ids and ALiBi in a features build (a plain kernel: raw q . k
-// logits, units fa_units(scale)) for rows row0 and row0 + 8 over the key
-// tile at n0, after fa_mask_rows. Keys of another segment than the row's
-// become -inf, unless `whole` (fa_segment_whole of the warp's rows and the
-// tile's keys); ALiBi's term (fa_alibi_term) is added over the scale. Rows
-// >= T and keys >= S, already -inf, read the last one's span.
+// ALiBi in a features build (a plain kernel: raw q . k logits, units
+// fa_units(scale)), read once per warp: the slope over the scale, and the
+// key position r of the warp's first row. Causal calls see only keys j <=
+// pos(i), where the term slope (j - pos(i)) splits into a key part, slope
+// (j - r), added per tile (fa_feature_terms), and a row part, slope (r -
+// pos(i)), the same on every tile: it is added to the row's maximum once,
+// at the end (fa_alibi_rows_end), which puts it in the LSE (the output, a
+// ratio, does not see it). r keeps the key part small where the weights
+// are large, near the diagonal. Other calls add the whole |pos(i) - j| term.
+struct FaAlibiWarp {
+  float slope;  // slope / scale; 0 without ALiBi
+  int r;
+};
+
+__device__ __forceinline__ FaAlibiWarp fa_alibi_warp(const FaParams& p, int b, int n, int w0) {
+  const FaAlibiRow a = fa_alibi_row(p, b, n, w0);
+  return {a.slope / p.rules.scale, a.pos};
+}
+
+// Segment ids and ALiBi (`alibi`, fa_alibi_warp) on the logits of rows row0
+// and row0 + 8 over the key tile at n0, after fa_mask_rows. Keys of another
+// segment than the row's become -inf, unless `whole` (fa_segment_whole of
+// the warp's rows and the tile's keys). Rows >= T and keys >= S, already
+// -inf, read the last one's span.
 template <int kNs>
 __device__ __forceinline__ void fa_feature_terms(const FaParams& p, float (&s)[kNs][4], int b,
-                                                 int n, int row0, int n0, int t4, bool whole) {
+                                                 int n, int row0, int n0, int t4, bool whole,
+                                                 const FaAlibiWarp& alibi) {
   const FaFeatures& f = p.features;
   if (!whole) {
     const int* q_ids = f.q_spans + static_cast<long long>(b) * p.T * kFaSpan + kFaSpanId;
@@ -155,18 +174,42 @@ __device__ __forceinline__ void fa_feature_terms(const FaParams& p, float (&s)[k
         if (id != id8) s[nt][2 + e] = FA_NEG_INF;
       }
   }
-  if (f.alibi) {
+  if (alibi.slope == 0.f) return;
+  if (p.rules.causal) {
+    // The key part: slope (j - r), one per key, shared by both rows.
+    const float base = alibi.slope * static_cast<float>(n0 + 2 * t4 - alibi.r);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const FaAlibiRow a = fa_alibi_row(p, b, n, row0 + h * 8);
-      const float k = -a.slope / p.rules.scale;
-      const float d = static_cast<float>(a.pos - n0 - 2 * t4);  // pos - the thread's first key
+    for (int nt = 0; nt < kNs; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < kNs; ++nt)
+      for (int e = 0; e < 2; ++e) {
+        const float key = fmaf(alibi.slope, static_cast<float>(nt * 8 + e), base);
+        s[nt][e] += key;
+        s[nt][2 + e] += key;
+      }
+    return;
+  }
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          s[nt][2 * h + e] = fmaf(k, fabsf(d - static_cast<float>(nt * 8 + e)), s[nt][2 * h + e]);
-    }
+  for (int h = 0; h < 2; ++h) {
+    const FaAlibiRow a = fa_alibi_row(p, b, n, row0 + h * 8);
+    const float d = static_cast<float>(a.pos - n0 - 2 * t4);  // pos - the thread's first key
+#pragma unroll
+    for (int nt = 0; nt < kNs; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        s[nt][2 * h + e] =
+            fmaf(-alibi.slope, fabsf(d - static_cast<float>(nt * 8 + e)), s[nt][2 * h + e]);
+  }
+}
+
+// A causal call's row part of ALiBi, slope (r - pos(i)) for rows row0 and
+// row0 + 8, added to their maxima once the key tiles are done.
+__device__ __forceinline__ void fa_alibi_rows_end(const FaParams& p, float (&m)[2], int b,
+                                                  int n, int row0, const FaAlibiWarp& alibi) {
+  if (alibi.slope == 0.f || !p.rules.causal) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pos = fa_alibi_row(p, b, n, row0 + h * 8).pos;
+    m[h] += alibi.slope * static_cast<float>(alibi.r - pos);  // -inf stays -inf
   }
 }
 #endif

@@ -157,6 +157,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
   const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);  // FaUnits
+#if FA_FEATURES
+  const FaAlibiWarp alibi = fa_alibi_warp(p, b, n, w0);
+#endif
 
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
@@ -188,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
 #if FA_FEATURES
     fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
-                     fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc));
+                     fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi);
 #endif
     fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
   };
@@ -232,6 +235,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   // The block's unit, recomputed rather than kept live across the loop.
   const FaBlock end = fa_block(p, kBr, kBc);
+#if FA_FEATURES
+  fa_alibi_rows_end(p, row_m, end.b, end.n, w0 + g, alibi);
+#endif
   fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, units,
                 fa_forward_slot(p, end));
 }
