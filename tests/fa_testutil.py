@@ -74,6 +74,25 @@ def random_bias(rng, shape, dtype=jnp.float32):
   return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
+def random_ids(rng, B, L, segments, order):
+  """(B, L) int32 ids of 1 to ``segments`` runs of random lengths (length 1
+  included); ``order``: "sorted" (packed documents), "shuffled" (runs in
+  random id order, ids reappearing later in the row) or "scattered" (each
+  position's id drawn at random)."""
+  ids = np.zeros((B, L), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, L), size=min(segments, L) - 1, replace=False)) \
+        if L > 1 and segments > 1 else np.array([], int)
+    runs = np.split(np.arange(L), cuts)
+    if order == "scattered":
+      ids[b] = rng.integers(0, segments, L)
+      continue
+    labels = np.arange(len(runs)) if order == "sorted" else rng.integers(0, 3, len(runs))
+    for run, label in zip(runs, labels):
+      ids[b, run] = 10 * label + 3  # not from 0, not contiguous values
+  return ids
+
+
 def random_mask(rng, shape, p_true=0.7):
   return jnp.asarray(rng.random(shape) < p_true)
 

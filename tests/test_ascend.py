@@ -11,6 +11,7 @@ The NPU path (``"ascend"``) cannot run here: the tests check that it says
 what is missing.
 """
 
+import functools
 import os
 import re
 import shutil
@@ -75,6 +76,43 @@ def test_broadcast_bias_and_mask(rng, bias_shape, mask_shape):
     mask = jnp.ones(mask_shape, bool)
   tu.check_call(q, k, v, tu.random_bias(rng, bias_shape), mask, implementation=SIM,
                 is_causal=True)
+
+
+@needs_sim
+@pytest.mark.parametrize("order, sinks", [("sorted", True), ("shuffled", False),
+                                          ("scattered", True)])
+def test_segment_ids_and_sinks(rng, order, sinks):
+  """Segment ids (packed documents; runs whose ids reappear later in the row;
+  an id drawn per position) and sinks on the simulator, against the float64
+  definition given their dense forms (the mask of equal ids, an extra logit
+  with a zero value row), with query lengths and GQA, in bfloat16."""
+  B, T, N, K, H = 2, 150, 4, 2, 64
+  q, k, v = tu.qkv(rng, B, T, T, N, K, H, jnp.bfloat16)
+  ids = tu.random_ids(rng, B, T, 5, order)
+  features = dict(segment_ids=ids)
+  ref = {}
+  if sinks:
+    features["sinks"] = rng.normal(0.0, 2.0, N).astype(np.float32)
+    ref["sinks"] = features["sinks"][None]
+  opts = dict(is_causal=True, query_seq_lengths=jnp.array([150, 97], jnp.int32))
+  run = lambda impl, q, k, v: jax.jit(functools.partial(
+      fast_attention, return_residual=True, implementation=impl, **opts, **features))(q, k, v)
+  out, lse = run(SIM, q, k, v)
+  xout, xlse = run("xla", q, k, v)
+  mask = ids[:, None, :, None] == ids[:, None, None, :]
+  ref_out, ref_lse = tu.reference64(q, k, v, None, mask, **opts, **ref)
+  tu.assert_accepted(out, xout, ref_out, tu.OUT_ATOL["bfloat16"], tu.XLA_MAX_ERR["bfloat16"],
+                     "output")
+  tu.assert_accepted(lse, xlse, ref_lse, tu.LSE_ATOL["bfloat16"],
+                     2 * tu.XLA_MAX_ERR["bfloat16"], "LSE")
+
+
+def test_alibi_is_refused_by_name():
+  """The kernel takes no ALiBi: the call says so when it is traced."""
+  q = jnp.zeros((1, 16, 2, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    jax.jit(functools.partial(fast_attention, implementation=SIM,
+                              alibi_slopes=jnp.ones((2,)))).lower(q, q, q)
 
 
 @needs_sim

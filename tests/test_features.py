@@ -20,25 +20,6 @@ import fa_testutil as tu
 from fastattn_jax import cuda, explain, fast_attention
 
 
-def random_ids(rng, B, L, segments, order):
-  """(B, L) int32 ids of 1 to ``segments`` runs of random lengths (length 1
-  included); ``order``: "sorted" (packed documents), "shuffled" (runs in
-  random id order, ids reappearing later in the row) or "scattered" (each
-  position's id drawn at random)."""
-  ids = np.zeros((B, L), np.int32)
-  for b in range(B):
-    cuts = np.sort(rng.choice(np.arange(1, L), size=min(segments, L) - 1, replace=False)) \
-        if L > 1 and segments > 1 else np.array([], int)
-    runs = np.split(np.arange(L), cuts)
-    if order == "scattered":
-      ids[b] = rng.integers(0, segments, L)
-      continue
-    labels = np.arange(len(runs)) if order == "sorted" else rng.integers(0, 3, len(runs))
-    for run, label in zip(runs, labels):
-      ids[b, run] = 10 * label + 3  # not from 0, not contiguous values
-  return ids
-
-
 def dense_terms(B, T, S, N, q_ids, kv_ids, slopes):
   """The reference's mask and bias for segment ids and ALiBi slopes (top-left
   aligned: pos(i) = i)."""
@@ -84,8 +65,8 @@ def make_case(rng, name, dtype):
   features, ref = {}, {}
   q_ids = kv_ids = slopes = None
   if "segments" in spec:
-    q_ids = random_ids(rng, B, T, spec["segments"], spec["order"])
-    kv_ids = q_ids if T == S else random_ids(rng, B, S, spec["segments"], spec["order"])
+    q_ids = tu.random_ids(rng, B, T, spec["segments"], spec["order"])
+    kv_ids = q_ids if T == S else tu.random_ids(rng, B, S, spec["segments"], spec["order"])
     features["segment_ids"] = q_ids if T == S else (q_ids, kv_ids)
   if spec.get("sinks"):
     features["sinks"] = ref["sinks"] = rng.normal(0.0, 2.0, N).astype(np.float32)
@@ -212,7 +193,7 @@ def test_vmap_folds_features(rng, impl):
   """vmap over segment ids, sinks and slopes (batched along with q) equals
   the calls one by one."""
   q, k, v = tu.qkv(rng, 3, 40, 40, 2, 1, 16)
-  ids = jnp.asarray(random_ids(rng, 3, 40, 4, "sorted"))
+  ids = jnp.asarray(tu.random_ids(rng, 3, 40, 4, "sorted"))
   sinks = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
   slopes = jnp.asarray(rng.uniform(0, 0.2, (3, 2)), jnp.float32)
   one = lambda q, k, v, ids, s, a: fast_attention(q, k, v, segment_ids=ids, sinks=s,

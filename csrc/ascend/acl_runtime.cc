@@ -169,13 +169,17 @@ bool RunOnNpu(const std::string& library, const FaAscendParams& host, const Oper
   if (!Check(*acl, acl->aclrtCreateStream(&r.stream), "aclrtCreateStream", error)) return false;
   FaAscendParams params = host;
   void *q, *k, *v, *bias, *mask, *q_lens, *kv_lens, *out, *lse, *workspace, *params_dev;
+  void *q_spans, *kv_spans, *sinks;
   if (!r.Alloc(bytes.q, host.q, &q, error) || !r.Alloc(bytes.k, host.k, &k, error) ||
       !r.Alloc(bytes.v, host.v, &v, error) || !r.Alloc(bytes.bias, host.bias, &bias, error) ||
       !r.Alloc(bytes.mask, host.mask, &mask, error) ||
       !r.Alloc(bytes.q_lens, host.q_lens, &q_lens, error) ||
       !r.Alloc(bytes.kv_lens, host.kv_lens, &kv_lens, error) ||
       !r.Alloc(bytes.out, nullptr, &out, error) || !r.Alloc(bytes.lse, nullptr, &lse, error) ||
-      !r.Alloc(bytes.workspace, nullptr, &workspace, error)) {
+      !r.Alloc(bytes.workspace, nullptr, &workspace, error) ||
+      !r.Alloc(bytes.q_spans, host.features.q_spans, &q_spans, error) ||
+      !r.Alloc(bytes.kv_spans, host.features.kv_spans, &kv_spans, error) ||
+      !r.Alloc(bytes.sinks, host.features.sinks, &sinks, error)) {
     return false;
   }
   params.q = q;
@@ -188,6 +192,9 @@ bool RunOnNpu(const std::string& library, const FaAscendParams& host, const Oper
   params.out = out;
   params.lse = static_cast<float*>(lse);
   params.workspace = static_cast<float*>(workspace);
+  params.features.q_spans = static_cast<const int32_t*>(q_spans);
+  params.features.kv_spans = static_cast<const int32_t*>(kv_spans);
+  params.features.sinks = static_cast<const float*>(sinks);
   if (!r.Alloc(sizeof(params), &params, &params_dev, error)) return false;
 
   const uint32_t cores = static_cast<uint32_t>(host.cores);

@@ -14,6 +14,7 @@ namespace fastattn::ascend {
 // Bytes of each operand of one call (0: absent).
 struct OperandBytes {
   size_t q, k, v, bias, mask, q_lens, kv_lens, out, lse, workspace;
+  size_t q_spans, kv_spans, sinks;  // the features' (0 where absent)
 };
 
 // Runs one call on NPU 0: copies the host operands of `host` (sizes in

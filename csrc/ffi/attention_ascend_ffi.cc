@@ -210,16 +210,25 @@ ffi::Error AscendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
                       ffi::Buffer<ffi::S32> kv_spans, ffi::Buffer<ffi::F32> sinks,
                       ffi::Buffer<ffi::F32> alibi, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::F32> lse, AscendAttrs attrs) {
-  if (q_spans.element_count() || kv_spans.element_count() || sinks.element_count() ||
-      alibi.element_count()) {
-    return ffi::Error::InvalidArgument(
-        "the Ascend kernel takes no segment ids, sinks or ALiBi slopes");
+  if (alibi.element_count()) {
+    return ffi::Error::InvalidArgument("the Ascend kernel takes no ALiBi slopes");
   }
   Call c;
   if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &c);
       err.failure()) {
     return err;
   }
+  QkvDims d;
+  if (auto err = CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d); err.failure()) {
+    return err;
+  }
+  if (auto err = CheckFeatures(q_spans, kv_spans, sinks, alibi, d, &c.params.features);
+      err.failure()) {
+    return err;
+  }
+  c.bytes.q_spans = q_spans.size_bytes();
+  c.bytes.kv_spans = kv_spans.size_bytes();
+  c.bytes.sinks = sinks.size_bytes();
   if (auto err = Run(attrs, c); err.failure()) return err;
   Record(name, c);
   return ffi::Error::Success();
@@ -237,9 +246,9 @@ auto Bind() {
       .Arg<ffi::Buffer<ffi::PRED>>()    // mask or empty
       .Arg<ffi::Buffer<ffi::S32>>()     // query lengths (B,)
       .Arg<ffi::Buffer<ffi::S32>>()     // key lengths (B,)
-      .Arg<ffi::Buffer<ffi::S32>>()     // segment spans: empty
-      .Arg<ffi::Buffer<ffi::S32>>()     // segment spans: empty
-      .Arg<ffi::Buffer<ffi::F32>>()     // sinks: empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // query segment spans (B, Tp, 4) or empty
+      .Arg<ffi::Buffer<ffi::S32>>()     // key segment spans (B, Sp, 4) or empty
+      .Arg<ffi::Buffer<ffi::F32>>()     // sinks (B|1, N) or empty
       .Arg<ffi::Buffer<ffi::F32>>()     // ALiBi slopes: empty
       .Ret<ffi::AnyBuffer>()            // out (B, Tp, N, Hp)
       .Ret<ffi::Buffer<ffi::F32>>()     // lse (B, Tp, N)

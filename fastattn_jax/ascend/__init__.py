@@ -528,21 +528,27 @@ def call(implementation: str, config: AttentionConfig, q, k, v, bias=None, mask=
 
   Raises:
     Unavailable: the toolchain (or, for "ascend", CANN or an NPU) is missing.
-    ValueError: the plan refuses the call (``plan``), or ``features``
-      (segment ids, sinks, ALiBi slopes), which the Ascend kernel does not
-      take.
+    ValueError: the plan refuses the call (``plan``), or ``features`` hold
+      ALiBi slopes, which the Ascend kernel does not take (segment ids and
+      sinks it does).
   """
-  if features is not None:
-    raise ValueError(f"implementation={implementation!r} does not take segment_ids, sinks or "
-                     "alibi_slopes; use implementation=None or 'cpu'")
+  if features is not None and features.alibi_slopes is not None:
+    raise ValueError(f"implementation={implementation!r} does not take alibi_slopes; use "
+                     "implementation=None or 'cpu'")
   B, T, N, H = q.shape
   operands, p = kernel_operands(q, k, v, bias, mask, q_lens, kv_lens)
+  if features is not None and features.q_segment_ids is not None:
+    # Ids of the padded rows and keys: each side's last (padding stays sorted).
+    edge = lambda ids, n: jnp.pad(ids, ((0, 0), (0, n - ids.shape[1])), mode="edge")
+    features = features._replace(q_segment_ids=edge(features.q_segment_ids, p["Tp"]),
+                                 kv_segment_ids=edge(features.kv_segment_ids, p["Sp"]))
   path = library(implementation, p)
   if implementation == "ascend" and (why := unavailable("ascend")):
     raise Unavailable(why)
   out, lse = kernel_call(TARGETS[implementation], (
       jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype),
-      jax.ShapeDtypeStruct((B, p["Tp"], N), jnp.float32)), config, *operands, library=path)
+      jax.ShapeDtypeStruct((B, p["Tp"], N), jnp.float32)), config, *operands, library=path,
+      features=features)
   return out[:, :T, :, :H].astype(q.dtype), lse[:, :T]
 
 

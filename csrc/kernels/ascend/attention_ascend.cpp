@@ -13,11 +13,14 @@
 //   Cube:   S = Q K^T for a Br x Bc tile (L1 -> L0A/L0B -> L0C, fp32), to GM;
 //   Vector: in Bb-row slices (the second tiling level): scale, soft cap,
 //           bias; the visible keys from a column ramp against each row's key
-//           bounds (the tiling-mask: nothing of size T x S) and the boolean
-//           mask, selected (masked logits replaced, so a NaN or inf in a
-//           hidden key never enters); online softmax; P (16-bit) to GM;
+//           bounds (the tiling-mask: nothing of size T x S), the boolean
+//           mask and the segment ids, selected (masked logits replaced, so
+//           a NaN or inf in a hidden key never enters); online softmax; P
+//           (16-bit) to GM;
 //   Cube:   P V (Br x Hp, fp32) to GM;
-//   Vector: acc = acc * alpha + P V per slice.
+//   Vector: acc = acc * alpha + P V per slice; at the end, out and LSE
+//           with the sink joined (sinks: a logit per head in every row's
+//           denominator).
 // The next tile's Q K^T is issued before this tile's softmax (two S buffers
 // in the workspace), so on the NPU the Cube's product overlaps the Vector's
 // softmax; the pipe flags (PtoSetWaitFlag) order each unit's own pipes.
@@ -137,6 +140,7 @@ AICORE Unit unit_of(const FaAscendParams& p, int64_t u) {
   x.kv_len = p.kv_lens[x.b];
   int64_t lo, hi;
   fa_rows_keys(p.rules, x.q_len, x.kv_len, x.i0, x.i0 + Br, &lo, &hi);
+  fa_segment_keys(p.features, p.Tp, x.b, x.i0, x.i0 + Br, &lo, &hi);
   const int64_t first = lo / Bc, last = hi > lo ? (hi + Bc - 1) / Bc : first;
   const int64_t count = last - first;
   x.j_begin = first + count * x.split / p.splits;
@@ -271,6 +275,22 @@ AICORE void and_mask(const FaAscendParams& p, const Unit& x, int64_t i, int64_t 
   }
 }
 
+// visible *= whether rows [i, + Bb) and keys [j0, + Bc) share a segment id,
+// built on the scalar unit (only slices whose rows and keys hold more than
+// one id come here: fa_segment_whole).
+AICORE void and_segments(const FaAscendParams& p, const Unit& x, int64_t i, int64_t j0,
+                         Vec<float, Bb, Bc>& visible, Vec<float, Bb, Bc>& tmp) {
+  pipe<PIPE_V, PIPE_S>();
+  for (int k = 0; k < Bb; ++k) {
+    for (int c = 0; c < Bc; ++c) {
+      tmp.data()[k * Bc + c] =
+          fa_same_segment<int64_t>(p.features, p.Tp, p.Sp, x.b, i + k, j0 + c) ? 1.0f : 0.0f;
+    }
+  }
+  pipe<PIPE_S, PIPE_V>();
+  TMUL(visible, visible, tmp);
+}
+
 // Online softmax of rows [i0 + r0, + Bb) against key tile j: S from the
 // workspace, P to it; updates the rows' max, sum and rescale factor.
 AICORE void vector_softmax(const FaAscendParams& p, const Unit& x, int64_t j, int64_t r0,
@@ -297,7 +317,9 @@ AICORE void vector_softmax(const FaAscendParams& p, const Unit& x, int64_t j, in
   }
   if (p.bias) add_bias(p, x, i, j0, s, tmp, r.t);
   const bool partial = !fa_all_visible<int64_t>(rules, x.q_len, x.kv_len, i, i + Bb, j0, j0 + Bc);
-  if (partial || p.mask) {
+  const bool mixed =
+      !fa_segment_whole<int64_t>(p.features, p.Tp, p.Sp, x.b, i, i + Bb, j0, j0 + Bc);
+  if (partial || p.mask || mixed) {
     // Visibility as 0 / 1 in `mask`: the index rules, then the mask operand.
     if (partial) {
       // The tiling-mask: each row's key bounds [lo, hi) from the index rules
@@ -324,6 +346,7 @@ AICORE void vector_softmax(const FaAscendParams& p, const Unit& x, int64_t j, in
       TEXPANDS(mask, 1.0f);
     }
     if (p.mask) and_mask(p, x, i, j0, mask, tmp, r.t);
+    if (mixed) and_segments(p, x, i, j0, mask, tmp);
     // Select, not add: a masked logit is kFaAscendMasked even where the key
     // row holds NaN or inf (keys hidden by a mask are never used).
     auto bits = at<Tile<TileType::Vec, uint8_t, Bb, Bc, BLayout::RowMajor, Bb, Bc / 8>>(
@@ -360,9 +383,21 @@ AICORE void vector_accumulate(int64_t r0, const float* pvw) {
   TADD(acc, acc, pv);
 }
 
-// Rows [r0, + Bb) of unit x's outputs: out (rounded to E) and LSE.
+// Rows [r0, + Bb) of unit x's outputs: out (rounded to E) and LSE, with
+// the sink of (b, n) joined first (fa_join_sink, on the scalar unit; `factor`
+// a free row vector).
 AICORE void store_rows(const FaAscendParams& p, const Unit& x, int64_t r0,
-                       Vec<float, Bb, Hp>& acc, RowVec& lse) {
+                       Vec<float, Bb, Hp>& acc, RowVec& lse, RowVec& factor) {
+  if (p.features.sinks) {
+    pipe<PIPE_V, PIPE_S>();
+    for (int k = 0; k < Bb; ++k) {
+      float joined = lse.data()[k * 8];
+      set_row(factor, k, fa_join_sink(p.features, x.b, x.n, &joined));
+      set_row(lse, k, joined);
+    }
+    pipe<PIPE_S, PIPE_V>();
+    TROWEXPANDMUL(acc, acc, factor);
+  }
   auto oe = at<Vec<E, Bb, Hp>>(kBuf.ub_pv);
   TCVT(oe, acc, RoundMode::CAST_RINT);
   pipe<PIPE_V, PIPE_MTE3>();
@@ -397,7 +432,7 @@ AICORE void vector_finish(const FaAscendParams& p, const Unit& x, int64_t r0, fl
     TSTORE(gplse, r.lb);
     return;
   }
-  store_rows(p, x, r0, acc, r.lb);
+  store_rows(p, x, r0, acc, r.lb, r.mb);
 }
 
 AICORE float* core_workspace(const FaAscendParams& p, int64_t core) {
@@ -510,7 +545,7 @@ AICORE void merge_group(const FaAscendParams& p, int64_t g) {
     TROWEXPANDDIV(acc, acc, r.lb);
     TLOG(r.l, r.l);
     TADD(r.l, r.l, r.mn);
-    store_rows(p, x, r0, acc, r.l);
+    store_rows(p, x, r0, acc, r.l, r.lb);
   }
 }
 

@@ -175,6 +175,9 @@ struct FaAscendParams {
   int64_t splits;  // split-KV: ways each (b, n, row tile) splits its key tiles
   int64_t cores;   // AI cores the work is spread over
   FaRules rules;
+  // Segment spans (B, Tp, kFaSpan) and (B, Sp, kFaSpan), from ids padded
+  // with their last one, and sinks; no ALiBi (null).
+  FaFeatures features;
 };
 
 // Work units: one per (b, n, Br-row tile, split), dealt round-robin to cores.
