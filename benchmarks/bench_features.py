@@ -22,8 +22,9 @@ Sinks and ALiBi: causal self-attention of T tokens with ``sinks`` (N,) or
 Columns: milliseconds per call (the median of ``--repeats`` samples of
 ``--calls`` calls, ``fastattn_jax.timing.median_seconds``), and the ratios
 the targets are stated in: packed / separate, dense mask / packed, cuDNN /
-packed, feature / plain. The rows of a table run interleaved: each case
-times its competitors one after another.
+packed, feature / plain. Competitors run interleaved: each round takes one
+sample of every competitor of a row in turn (each document of "separate"
+among them), so a noisy machine's slow spells fall on all alike.
 
 Run::
 
@@ -56,9 +57,19 @@ def documents(rng, T: int) -> list[int]:
   return [n for n in lengths if n > 0]
 
 
-def _timed(fn, args, calls, repeats) -> float:
-  jitted = jax.jit(fn)
-  return median_seconds(lambda: jitted(*args), repeats, calls=calls) * 1e3
+def _interleaved(cases: dict, calls: int, repeats: int) -> dict:
+  """Milliseconds per call of each case, ``{name: (fn, args)}``: every case
+  jitted and warmed up, then ``repeats`` rounds that take one sample of each
+  case in turn (``calls`` calls), so that a noisy machine's slow spells fall
+  on all of them alike; the median round of each."""
+  jitted = {name: (jax.jit(fn), args) for name, (fn, args) in cases.items()}
+  for fn, args in jitted.values():
+    jax.block_until_ready(fn(*args))
+  samples = {name: [] for name in cases}
+  for _ in range(repeats):
+    for name, (fn, args) in jitted.items():
+      samples[name].append(median_seconds(lambda: fn(*args), 1, warmup=0, calls=calls) * 1e3)
+  return {name: float(np.median(times)) for name, times in samples.items()}
 
 
 def packed_case(rng, T, N, H, dtype, calls, repeats, with_cudnn) -> dict:
@@ -66,22 +77,25 @@ def packed_case(rng, T, N, H, dtype, calls, repeats, with_cudnn) -> dict:
   q, k, v = (jnp.asarray(rng.standard_normal((1, T, N, H)), dtype) for _ in range(3))
   ids = jnp.asarray(np.repeat(np.arange(len(docs)), docs)[None], jnp.int32)
   mask = ids[:, None, :, None] == ids[:, None, None, :]
-  row = {"T": T, "documents": docs}
-  row["packed"] = _timed(lambda q, k, v, ids: fast_attention(q, k, v, segment_ids=ids,
-                                                              is_causal=True),
-                         (q, k, v, ids), calls, repeats)
+  cases = {
+      "packed": (lambda q, k, v, ids: fast_attention(q, k, v, segment_ids=ids, is_causal=True),
+                 (q, k, v, ids)),
+      "dense mask": (lambda q, k, v, m: fast_attention(q, k, v, mask=m, is_causal=True),
+                     (q, k, v, mask)),
+  }
   starts = np.cumsum([0] + docs[:-1])
-  row["separate"] = sum(
-      _timed(lambda q, k, v: fast_attention(q, k, v, is_causal=True),
-             tuple(x[:, s:s + n] for x in (q, k, v)), calls, repeats)
-      for s, n in zip(starts, docs))
-  row["dense mask"] = _timed(lambda q, k, v, m: fast_attention(q, k, v, mask=m, is_causal=True),
-                             (q, k, v, mask), calls, repeats)
+  for d, (s, n) in enumerate(zip(starts, docs)):
+    cases[f"document {d}"] = (lambda q, k, v: fast_attention(q, k, v, is_causal=True),
+                              tuple(x[:, s:s + n] for x in (q, k, v)))
   if with_cudnn:
-    row["cudnn mask"] = _timed(
+    cases["cudnn mask"] = (
         lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True,
                                                         implementation="cudnn"),
-        (q, k, v, mask), calls, repeats)
+        (q, k, v, mask))
+  ms = _interleaved(cases, calls, repeats)
+  row = {"T": T, "documents": docs,
+         "separate": sum(ms.pop(f"document {d}") for d in range(len(docs)))}
+  row.update(ms)
   return row
 
 
@@ -90,12 +104,11 @@ def feature_case(rng, T, N, H, dtype, calls, repeats) -> dict:
   sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
   slopes = jnp.asarray(2.0 ** (-8 * np.arange(1, N + 1) / N), jnp.float32)
   attend = functools.partial(fast_attention, is_causal=True)
-  return {"T": T,
-          "plain": _timed(lambda q, k, v: attend(q, k, v), (q, k, v), calls, repeats),
-          "sinks": _timed(lambda q, k, v, s: attend(q, k, v, sinks=s), (q, k, v, sinks),
-                          calls, repeats),
-          "alibi": _timed(lambda q, k, v, a: attend(q, k, v, alibi_slopes=a),
-                          (q, k, v, slopes), calls, repeats)}
+  return {"T": T, **_interleaved({
+      "plain": (lambda q, k, v: attend(q, k, v), (q, k, v)),
+      "sinks": (lambda q, k, v, s: attend(q, k, v, sinks=s), (q, k, v, sinks)),
+      "alibi": (lambda q, k, v, a: attend(q, k, v, alibi_slopes=a), (q, k, v, slopes)),
+  }, calls, repeats)}
 
 
 def format_tables(packed: list[dict], features: list[dict]) -> str:
