@@ -62,7 +62,9 @@ struct Call {
 
 ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
-                   ffi::Buffer<ffi::S32> kv_lens, ffi::AnyBuffer out,
+                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_spans,
+                   ffi::Buffer<ffi::S32> kv_spans, ffi::Buffer<ffi::F32> sinks,
+                   ffi::Buffer<ffi::F32> alibi, ffi::AnyBuffer out,
                    ffi::Buffer<ffi::F32> lse, const AscendAttrs& attrs, Call* c) {
   QkvDims d;
   if (auto err = CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d); err.failure()) {
@@ -92,6 +94,10 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
     return ffi::Error::InvalidArgument("lse must have shape (B, T, N)");
   }
   FaAscendParams& p = c->params;
+  if (auto err = CheckFeatures(q_spans, kv_spans, sinks, alibi, d, &p.features);
+      err.failure()) {
+    return err;
+  }
   const int64_t full[4] = {d.B, d.N, d.T, d.S};
   int64_t strides[4];
   if (bias.element_count() > 0) {
@@ -122,7 +128,8 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
   c->bytes = OperandBytes{q.size_bytes(), k.size_bytes(), v.size_bytes(), bias.size_bytes(),
                           mask.size_bytes(), q_lens.size_bytes(), kv_lens.size_bytes(),
                           out.size_bytes(), lse.size_bytes(),
-                          static_cast<size_t>(c->plan.workspace_floats) * sizeof(float)};
+                          static_cast<size_t>(c->plan.workspace_floats) * sizeof(float),
+                          q_spans.size_bytes(), kv_spans.size_bytes(), sinks.size_bytes()};
   return ffi::Error::Success();
 }
 
@@ -214,21 +221,11 @@ ffi::Error AscendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
     return ffi::Error::InvalidArgument("the Ascend kernel takes no ALiBi slopes");
   }
   Call c;
-  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, *out, *lse, attrs, &c);
+  if (auto err = Prepare(q, k, v, bias, mask, q_lens, kv_lens, q_spans, kv_spans, sinks, alibi,
+                         *out, *lse, attrs, &c);
       err.failure()) {
     return err;
   }
-  QkvDims d;
-  if (auto err = CheckQkv(q.dimensions(), k.dimensions(), v.dimensions(), &d); err.failure()) {
-    return err;
-  }
-  if (auto err = CheckFeatures(q_spans, kv_spans, sinks, alibi, d, &c.params.features);
-      err.failure()) {
-    return err;
-  }
-  c.bytes.q_spans = q_spans.size_bytes();
-  c.bytes.kv_spans = kv_spans.size_bytes();
-  c.bytes.sinks = sinks.size_bytes();
   if (auto err = Run(attrs, c); err.failure()) return err;
   Record(name, c);
   return ffi::Error::Success();
