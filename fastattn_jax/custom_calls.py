@@ -35,33 +35,68 @@ def segment_spans(q_ids, kv_ids):
   csrc/kernels/attention_rules.h): (B, T, 4) and (B, S, 4) int32.
 
   Per query row i: its id x, the end of the run of equal ids that holds it,
-  and [lo, hi), the keys it may share a segment with; per key likewise,
-  with rows for keys. Where a sequence's ids are sorted on both sides
-  (packed documents), lo and hi count the other side's ids below x and up
-  to x (binary searches), which bounds x's keys exactly, and are
-  nondecreasing in i, so rows [m0, m1) see keys in [lo(m0), hi(m1 - 1))
-  only; the run end is hi on its own side. Elsewhere the bounds are the
-  whole other side and each run is one position: the kernels test every
-  pair, skipping no tile. A few XLA kernels (no sort, scan or loop): on a
-  GPU their launches, not their work, are the cost, and a packed call's
-  own time at T = 2K is about 0.1 ms.
+  and [lo, hi), the keys that rows >= i (lo) and rows <= i (hi) may share a
+  segment with; per key likewise, with rows for keys. So rows [m0, m1) see
+  keys in [lo(m0), hi(m1 - 1)) only, and the kernels skip every key tile
+  outside. Per sequence, the first of these that holds:
+
+  - ids sorted on both sides (packed documents numbered in order): lo and hi
+    count the other side's ids below x and up to x (binary searches), which
+    bounds x's keys exactly; the run end is hi on its own side.
+  - the first and last positions of x on the other side (a stable argsort
+    and binary searches) nondecreasing in i, as where each id fills one run
+    in any order (MaxText's packing: documents 1, 2, ... then padding 0):
+    those bound x's keys exactly.
+  - otherwise the bounds are the whole other side: no tile is skipped.
+
+  Where a sequence is not sorted, the run end is x's last position + 1 if
+  x's positions on its own side are one run, else i + 1 (the kernels then
+  test every pair of i's tiles).
+
+  The argsorts run only where some sequence is not sorted (``lax.cond``):
+  on a GPU, launches rather than work are these kernels' cost, and a packed
+  call's own time at T = 2K is about 0.1 ms.
   """
   search = jax.vmap(functools.partial(jnp.searchsorted, method="scan_unrolled"),
                     in_axes=(0, 0, None))
-  nondecreasing = lambda ids: jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1, keepdims=True)
+  nondecreasing = lambda x: jnp.all(x[:, 1:] >= x[:, :-1], axis=1, keepdims=True)
   is_sorted = nondecreasing(q_ids) & nondecreasing(kv_ids)
+  positions = lambda ids: jnp.arange(1, ids.shape[1] + 1, dtype=jnp.int32)[None]
 
-  def spans(ids, other):
+  def searched(ids, other):
     count = lambda within, side: search(within, ids, side).astype(jnp.int32)
-    whole = lambda value: jnp.broadcast_to(jnp.asarray(value, jnp.int32), ids.shape)
-    run_end = jnp.arange(1, ids.shape[1] + 1, dtype=jnp.int32)[None]
-    return jnp.stack([ids,
-                      jnp.where(is_sorted, count(ids, "right"), run_end),
-                      jnp.where(is_sorted, count(other, "left"), whole(0)),
-                      jnp.where(is_sorted, count(other, "right"), whole(other.shape[1]))],
-                     axis=-1)
+    return count(ids, "right"), count(other, "left"), count(other, "right")
 
-  return spans(q_ids, kv_ids), spans(kv_ids, q_ids)
+  def occurrences(ids, within):
+    """Per position of ids: the first and last + 1 positions of its id in
+    `within`, and how many positions hold it."""
+    order = jnp.argsort(within, axis=1, stable=True).astype(jnp.int32)
+    ordered = jnp.take_along_axis(within, order, axis=1)
+    lo, hi = (search(ordered, ids, side).astype(jnp.int32) for side in ("left", "right"))
+    at = lambda k: jnp.take_along_axis(order, jnp.clip(k, 0, within.shape[1] - 1), axis=1)
+    return at(lo), at(hi - 1) + 1, hi - lo
+
+  def located(ids, other):
+    first, last, count = occurrences(ids, other)
+    lo = jnp.where(count > 0, first, 0)
+    hi = jnp.where(count > 0, last, other.shape[1])
+    own_first, own_last, own_count = occurrences(ids, ids)
+    run_end = jnp.where(own_last - own_first == own_count, own_last, positions(ids))
+    return run_end, lo, hi, nondecreasing(lo) & nondecreasing(hi)
+
+  def spans(ids, other, general):
+    fields = searched(ids, other)
+    if general:
+      run_end, lo, hi, exact = located(ids, other)
+      whole = (run_end, jnp.zeros_like(ids), jnp.full_like(ids, other.shape[1]))
+      fields = [jnp.where(is_sorted, s, jnp.where(exact, x, w))
+                for s, x, w in zip(fields, (run_end, lo, hi), whole)]
+    return jnp.stack([ids, *fields], axis=-1)
+
+  def both(general):
+    return spans(q_ids, kv_ids, general), spans(kv_ids, q_ids, general)
+
+  return jax.lax.cond(jnp.all(is_sorted), lambda: both(False), lambda: both(True))
 
 
 def feature_operands(features) -> list:

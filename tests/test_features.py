@@ -207,32 +207,54 @@ def test_vmap_folds_features(rng, impl):
 
 def test_segment_spans_against_their_definition(rng):
   """``custom_calls.segment_spans`` (the kernels' view of the ids) equals its
-  definition, position by position, on sorted, scattered and cross ids, and
-  its key ranges hold every key a row shares a segment with."""
+  definition, position by position, on sorted ids, runs in any order
+  (MaxText's padding 0 last among them), scattered and cross ids, and its
+  ranges hold every key a row shares a segment with (and every row a key
+  does)."""
   from fastattn_jax.custom_calls import segment_spans
 
   def spans(ids, other, is_sorted):
-    ends = [next((k for k in range(i + 1, len(ids)) if ids[k] != ids[i]), len(ids))
-            for i in range(len(ids))]
-    if not is_sorted:  # every pair tested: one position per run, every key
-      return np.stack([ids, np.arange(1, len(ids) + 1), np.zeros_like(ids),
-                       np.full_like(ids, len(other))], -1)
-    return np.stack([ids, ends, [sum(y < x for y in other) for x in ids],
-                     [sum(y <= x for y in other) for x in ids]], -1)
+    n = len(ids)
+    if is_sorted:
+      ends = [next((k for k in range(i + 1, n) if ids[k] != ids[i]), n) for i in range(n)]
+      return np.stack([ids, ends, [sum(y < x for y in other) for x in ids],
+                       [sum(y <= x for y in other) for x in ids]], -1)
+    own = [np.flatnonzero(ids == x) for x in ids]
+    ends = [w[-1] + 1 if w[-1] - w[0] + 1 == len(w) else i + 1 for i, w in enumerate(own)]
+    where = [np.flatnonzero(other == x) for x in ids]
+    lo = np.array([w[0] if len(w) else 0 for w in where])
+    hi = np.array([w[-1] + 1 if len(w) else len(other) for w in where])
+    if np.any(np.diff(lo) < 0) or np.any(np.diff(hi) < 0):
+      lo, hi = np.zeros(n), np.full(n, len(other))
+    return np.stack([ids, ends, lo, hi], -1)
 
-  for trial in range(16):
-    T, S = rng.integers(1, 40, 2)
+  def runs(length):  # 1 to 4 runs of distinct ids in a random order, padding 0 last or not
+    cuts = np.sort(rng.choice(np.arange(1, length), min(3, length - 1), replace=False)) \
+        if length > 1 else []
+    ids = np.concatenate([np.full(len(c), x) for c, x in zip(
+        np.split(np.arange(length), cuts), rng.permutation(np.arange(1, 5)))])
+    return ids if rng.random() < 0.5 else np.where(np.arange(length) >= length - 2, 0, ids)
+
+  for trial in range(12):
+    T, S = rng.choice([1, 9, 33], 2)  # few shapes: few compiles
     q_ids = rng.integers(0, 5, (2, T)).astype(np.int32)
     kv_ids = rng.integers(0, 5, (2, S)).astype(np.int32)
-    if trial % 2:
+    if trial % 3 == 1:
       q_ids, kv_ids = np.sort(q_ids, 1), np.sort(kv_ids, 1)
-    if trial % 4 == 1:
+    if trial % 6 == 1:
       kv_ids[1] = kv_ids[1, ::-1]  # one sequence sorted, the other not
+    if trial % 3 == 2:  # self-attention over runs
+      q_ids = kv_ids = np.stack([runs(T), runs(T)]).astype(np.int32)
     q_spans, kv_spans = jax.jit(segment_spans)(q_ids, kv_ids)
     for b in range(2):
       is_sorted = all(np.all(np.diff(x[b]) >= 0) for x in (q_ids, kv_ids))
       np.testing.assert_array_equal(q_spans[b], spans(q_ids[b], kv_ids[b], is_sorted))
       np.testing.assert_array_equal(kv_spans[b], spans(kv_ids[b], q_ids[b], is_sorted))
-      for i, x in enumerate(q_ids[b]):
-        keys = np.flatnonzero(kv_ids[b] == x)
-        assert np.all((keys >= q_spans[b, i, 2]) & (keys < q_spans[b, i, 3]))
+      for own, other, sp in ((q_ids[b], kv_ids[b], q_spans[b]), (kv_ids[b], q_ids[b], kv_spans[b])):
+        for i, x in enumerate(own):
+          keys = np.flatnonzero(other == x)
+          assert np.all((keys >= sp[i:, 2].min()) & (keys < sp[:i + 1, 3].max()))
+          assert np.all(own[i:sp[i, 1]] == x)
+      if trial % 3 == 2:  # runs: every row's bounds are its own run
+        counts = [np.sum(q_ids[b] == x) for x in q_ids[b]]
+        np.testing.assert_array_equal(np.asarray(q_spans[b, :, 3] - q_spans[b, :, 2]), counts)
