@@ -132,23 +132,21 @@ __device__ __forceinline__ void fa_mask_rows(const FaRules& rules, float (&s)[kN
 
 #if FA_FEATURES
 // ALiBi in a features build (a plain kernel: raw q . k logits, units
-// fa_units(scale)), read once per thread: the slope over the scale, and
-// the key positions of its rows row0 and row0 + 8. On a key tile at n0
-// whose keys all lie on one side of those positions (every tile of a
-// causal call: it sees only keys j <= pos), the term -slope |pos - j|
-// splits into +-slope (j - n0 - 2 t4), one fma with a constant per logit,
-// and a term per row, +-slope (n0 + 2 t4 - pos), that the softmax adds to
-// the row's maximum instead (fa_softmax_probs' shift). The key part stays
-// below slope Bc, so the logits keep their precision where the weights are
-// large. A tile that straddles the positions (non-causal calls only) adds
-// the whole term per logit.
+// fa_units(scale)), read once per warp: the slope over the scale, and the
+// key position r of the warp's first row. Causal calls see only keys j <=
+// pos(i), where the term slope (j - pos(i)) splits into a key part, slope
+// (j - r), added per tile (fa_feature_terms), and a row part, slope (r -
+// pos(i)), the same on every tile: it is added to the row's maximum once,
+// at the end (fa_alibi_rows_end), which puts it in the LSE (the output, a
+// ratio, does not see it). r keeps the key part small where the weights
+// are large, near the diagonal. Other calls add the whole |pos(i) - j| term.
 struct FaAlibiWarp {
   float slope;  // slope / scale; 0 without ALiBi
-  int pos;      // the key position of row row0 (row0 + 8's is pos + 8)
+  int r;
 };
 
-__device__ __forceinline__ FaAlibiWarp fa_alibi_warp(const FaParams& p, int b, int n, int row0) {
-  const FaAlibiRow a = fa_alibi_row(p, b, n, row0);
+__device__ __forceinline__ FaAlibiWarp fa_alibi_warp(const FaParams& p, int b, int n, int w0) {
+  const FaAlibiRow a = fa_alibi_row(p, b, n, w0);
   return {a.slope / p.rules.scale, a.pos};
 }
 
@@ -156,12 +154,11 @@ __device__ __forceinline__ FaAlibiWarp fa_alibi_warp(const FaParams& p, int b, i
 // and row0 + 8 over the key tile at n0, after fa_mask_rows. Keys of another
 // segment than the row's become -inf, unless `whole` (fa_segment_whole of
 // the warp's rows and the tile's keys). Rows >= T and keys >= S, already
-// -inf, read the last one's span. Sets `shift` to ALiBi's term per row that
-// the logits lack (0 where they hold all of it).
+// -inf, read the last one's span.
 template <int kNs>
 __device__ __forceinline__ void fa_feature_terms(const FaParams& p, float (&s)[kNs][4], int b,
-                                                 int row0, int n0, int t4, bool whole,
-                                                 const FaAlibiWarp& alibi, float (&shift)[2]) {
+                                                 int n, int row0, int n0, int t4, bool whole,
+                                                 const FaAlibiWarp& alibi) {
   const FaFeatures& f = p.features;
   if (!whole) {
     const int* q_ids = f.q_spans + static_cast<long long>(b) * p.T * kFaSpan + kFaSpanId;
@@ -177,35 +174,42 @@ __device__ __forceinline__ void fa_feature_terms(const FaParams& p, float (&s)[k
         if (id != id8) s[nt][2 + e] = FA_NEG_INF;
       }
   }
-  shift[0] = shift[1] = 0.f;
   if (alibi.slope == 0.f) return;
-  const int first = n0 + 2 * t4;  // the thread's first key
-  // Keys left of both rows' positions, or right of them; these are
-  // per-thread sides, so a warp may diverge on the tiles at the diagonal.
-  const bool left = p.rules.causal || first + kNs * 8 - 8 + 1 <= alibi.pos;
-  const bool right = !left && first >= alibi.pos + 8;
-  if (left || right) {
-    const float slope = left ? alibi.slope : -alibi.slope;
+  if (p.rules.causal) {
+    // The key part: slope (j - r), one per key, shared by both rows.
+    const float base = alibi.slope * static_cast<float>(n0 + 2 * t4 - alibi.r);
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        s[nt][e] = fmaf(slope, static_cast<float>(nt * 8 + e), s[nt][e]);
-        s[nt][2 + e] = fmaf(slope, static_cast<float>(nt * 8 + e), s[nt][2 + e]);
+        const float key = fmaf(alibi.slope, static_cast<float>(nt * 8 + e), base);
+        s[nt][e] += key;
+        s[nt][2 + e] += key;
       }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) shift[h] = slope * static_cast<float>(first - alibi.pos - 8 * h);
     return;
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float d = static_cast<float>(alibi.pos + 8 * h - first);
+    const FaAlibiRow a = fa_alibi_row(p, b, n, row0 + h * 8);
+    const float d = static_cast<float>(a.pos - n0 - 2 * t4);  // pos - the thread's first key
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         s[nt][2 * h + e] =
             fmaf(-alibi.slope, fabsf(d - static_cast<float>(nt * 8 + e)), s[nt][2 * h + e]);
+  }
+}
+
+// A causal call's row part of ALiBi, slope (r - pos(i)) for rows row0 and
+// row0 + 8, added to their maxima once the key tiles are done.
+__device__ __forceinline__ void fa_alibi_rows_end(const FaParams& p, float (&m)[2], int b,
+                                                  int n, int row0, const FaAlibiWarp& alibi) {
+  if (alibi.slope == 0.f || !p.rules.causal) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pos = fa_alibi_row(p, b, n, row0 + h * 8).pos;
+    m[h] += alibi.slope * static_cast<float>(alibi.r - pos);  // -inf stays -inf
   }
 }
 #endif
@@ -218,15 +222,12 @@ __device__ __forceinline__ void fa_feature_terms(const FaParams& p, float (&s)[k
 // logits and maxima, units fa_units(scale); those with extras map each
 // visible logit through fa_extras_logit first, units fa_units(1)
 // (attention_common.cuh's FaUnits). Params: the kernel's parameters (the
-// decode kernel's, which has no extras, too). `shift` (or none): a term
-// per row of this thread that every one of its logits in s lacks (ALiBi's,
-// fa_feature_terms).
+// decode kernel's, which has no extras, too).
 template <int kNs, class Params>
 __device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs][4],
                                                  float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], int b, int n, int row0,
-                                                 int n0, int t4, const FaUnits& u,
-                                                 const float* shift = nullptr) {
+                                                 int n0, int t4, const FaUnits& u) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     [[maybe_unused]] const int i = row0 + h * 8;
@@ -250,7 +251,6 @@ __device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs
         mx = fmaxf(mx, x);
       }
     }
-    if (shift) mx += shift[h];
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[h], mx);
@@ -259,13 +259,12 @@ __device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs
     const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
     alpha[h] = fa_weight(m[h], m_use, u.to_log2);
     m[h] = m_new;
-    const float m_s = shift ? m_use - shift[h] : m_use;
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = fa_weight(s[nt][2 * h + e], m_s, u.to_log2);
+        const float pe = fa_weight(s[nt][2 * h + e], m_use, u.to_log2);
         s[nt][2 * h + e] = pe;
         sum += pe;
       }

@@ -158,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
   const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);  // FaUnits
 #if FA_FEATURES
-  const FaAlibiWarp alibi = fa_alibi_warp(p, b, n, w0 + g);
+  const FaAlibiWarp alibi = fa_alibi_warp(p, b, n, w0);
 #endif
 
   float s[kNs][4];
@@ -190,14 +190,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
       fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
 #if FA_FEATURES
-    float shift[2];
-    fa_feature_terms(p, s, b, w0 + g, n0, t4,
-                     fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi,
-                     shift);
-    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units, shift);
-#else
-    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
+    fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
+                     fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi);
 #endif
+    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
   };
   auto pack = [&]() {
 #pragma unroll
@@ -239,6 +235,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   // The block's unit, recomputed rather than kept live across the loop.
   const FaBlock end = fa_block(p, kBr, kBc);
+#if FA_FEATURES
+  fa_alibi_rows_end(p, row_m, end.b, end.n, w0 + g, alibi);
+#endif
   fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, units,
                 fa_forward_slot(p, end));
 }
