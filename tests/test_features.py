@@ -206,17 +206,14 @@ def test_vmap_folds_features(rng, impl):
 
 
 def test_segment_spans_against_their_definition(rng):
-  """``custom_calls.segment_spans`` (the kernels' view of the ids) equals its
-  definition, position by position, on sorted ids, runs in any order
-  (MaxText's padding 0 last among them; exact on the CPU only), scattered
-  and cross ids, and its
-  ranges hold every key a row shares a segment with (and every row a key
-  does)."""
-  from fastattn_jax.custom_calls import segment_spans
+  """``custom_calls.segment_spans`` (the kernels' view of the ids), and each
+  of its rules on any platform, equal their definitions position by
+  position, on sorted ids, runs in any order (MaxText's padding 0 last among
+  them; exact on the CPU only), scattered and cross ids, and their ranges
+  hold every key a row shares a segment with (and every row a key does)."""
+  from fastattn_jax.custom_calls import segment_spans, spans_by_rule
 
-  general = jax.default_backend() == "cpu"  # runs in any order: the CPU's spans only
-
-  def spans(ids, other, is_sorted):
+  def spans(ids, other, is_sorted, general):
     n = len(ids)
     if not (is_sorted or general):
       return np.stack([ids, np.arange(1, n + 1), np.zeros(n), np.full(n, len(other))], -1)
@@ -250,16 +247,21 @@ def test_segment_spans_against_their_definition(rng):
       kv_ids[1] = kv_ids[1, ::-1]  # one sequence sorted, the other not
     if trial % 3 == 2:  # self-attention over runs
       q_ids = kv_ids = np.stack([runs(T), runs(T)]).astype(np.int32)
-    q_spans, kv_spans = jax.jit(segment_spans)(q_ids, kv_ids)
-    for b in range(2):
-      is_sorted = all(np.all(np.diff(x[b]) >= 0) for x in (q_ids, kv_ids))
-      np.testing.assert_array_equal(q_spans[b], spans(q_ids[b], kv_ids[b], is_sorted))
-      np.testing.assert_array_equal(kv_spans[b], spans(kv_ids[b], q_ids[b], is_sorted))
-      for own, other, sp in ((q_ids[b], kv_ids[b], q_spans[b]), (kv_ids[b], q_ids[b], kv_spans[b])):
-        for i, x in enumerate(own):
-          keys = np.flatnonzero(other == x)
-          assert np.all((keys >= sp[i:, 2].min()) & (keys < sp[:i + 1, 3].max()))
-          assert np.all(own[i:sp[i, 1]] == x)
-      if trial % 3 == 2 and general:  # runs: every row's bounds are its own run
-        counts = [np.sum(q_ids[b] == x) for x in q_ids[b]]
-        np.testing.assert_array_equal(np.asarray(q_spans[b, :, 3] - q_spans[b, :, 2]), counts)
+    on_cpu = jax.default_backend() == "cpu"  # runs in any order: the CPU's spans only
+    for general, fn in ((on_cpu, segment_spans),
+                        (False, functools.partial(spans_by_rule, runs=False)),
+                        (True, functools.partial(spans_by_rule, runs=True))):
+      q_spans, kv_spans = jax.jit(fn)(q_ids, kv_ids)
+      for b in range(2):
+        is_sorted = all(np.all(np.diff(x[b]) >= 0) for x in (q_ids, kv_ids))
+        for own, other, sp in ((q_ids[b], kv_ids[b], q_spans[b]),
+                               (kv_ids[b], q_ids[b], kv_spans[b])):
+          np.testing.assert_array_equal(sp, spans(own, other, is_sorted, general))
+          for i, x in enumerate(own):
+            keys = np.flatnonzero(other == x)
+            assert np.all((keys >= sp[i:, 2].min()) & (keys < sp[:i + 1, 3].max()))
+            assert np.all(own[i:sp[i, 1]] == x)
+        if trial % 3 == 2 and general:  # runs: every row's bounds are its own run
+          counts = [np.sum(q_ids[b] == x) for x in q_ids[b]]
+          np.testing.assert_array_equal(np.asarray(q_spans[b, :, 3] - q_spans[b, :, 2]),
+                                        counts)
