@@ -39,7 +39,7 @@ demo: $(VENV)/.installed-demo
 # outside the checkout.
 test: $(VENV)/.installed-test
 	$(PY) -m fastattn_jax.ascend fetch || echo "no PTO-ISA headers: the ascend_sim tests skip"
-	$(VENV)/bin/pytest -n 2 --slow --nbmake tests notebooks
+	$(VENV)/bin/pytest -n 2 --slow --durations=15 --nbmake tests notebooks
 	$(MAKE) bazel-test
 	$(MAKE) wheel-test
 
