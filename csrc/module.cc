@@ -16,6 +16,7 @@
 #include "ffi/attention_attrs.h"
 #include "ffi/handlers.h"
 #include "kernels/attention_dtypes.h"
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cpu/attention_cpu.h"
 
 // The build system that compiled this module ("cmake" or "bazel"), so that a
@@ -138,6 +139,10 @@ NB_MODULE(_ffi, m) {
   }, "Head-dim limit, row alignment (elements), kernel names.");
   m.def("cuda_runs_on", &fa_runs_on, nb::arg("kernel_sm"), nb::arg("cc"),
         "Whether a GPU of compute capability cc (10 * major + minor) runs kernel kernel_sm.");
+  m.def("cuda_persistent_index", &fa_persistent_index, nb::arg("causal"), nb::arg("num_m"),
+        nb::arg("work"), nb::arg("grid"), nb::arg("block"), nb::arg("step"),
+        "The work block that block `block` of kernel 90's persistent forward takes at step "
+        "`step` (-1: none at that step; `work` or more: no more).");
   m.def("cuda_default_kernel", &cu::DefaultKernel, nb::arg("cc"), nb::arg("head_dim"),
         "The kernel implementation=None runs on compute capability cc for head dim H.");
   m.def("cuda_plan_call",

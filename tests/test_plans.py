@@ -79,6 +79,67 @@ def test_cuda_decode_step_runs_what_the_owner_planned(rng):
   assert record["blocks"] <= record["multiprocessors"] * record["blocks_per_sm"]
 
 
+def _schedule(causal, num_m, work, grid):
+  """Each block's work blocks, in order, under kernel 90's persistent schedule."""
+  out = []
+  for block in range(grid):
+    taken, step = [], 0
+    while (i := _ffi.cuda_persistent_index(causal, num_m, work, grid, block, step)) < work:
+      if i >= 0:
+        taken.append(i)
+      step += 1
+    out.append(taken)
+  return out
+
+
+@pytest.mark.parametrize("num_m, heads, grid", [
+    (4, 256, 132), (16, 64, 132), (128, 16, 132), (7, 9, 132), (5, 3, 132), (1, 40, 7),
+    (33, 5, 16)])
+def test_cuda_persistent_schedule_takes_each_work_block_once_and_evens_out_causal_work(
+    num_m, heads, grid):
+  """Kernel 90's persistent blocks (fa_persistent_index) take every work
+  block exactly once, causal or not; under causal masking, where row block j
+  of a head (heaviest first) costs num_m - j key tiles, the busiest block
+  takes no more keys than its share of pairs (num_m + 1 tiles each) rounded
+  up: a plain stride on 16 heads of 128 row blocks gives it 1.57x the mean."""
+  work = num_m * heads
+  for causal in (False, True):
+    schedule = _schedule(causal, num_m, work, grid)
+    taken = sorted(i for blocks in schedule for i in blocks)
+    assert taken == list(range(work)), (causal, num_m, heads, grid)
+    if causal:
+      loads = [sum(num_m - i % num_m for i in blocks) for blocks in schedule]
+      pairs = heads * ((num_m + 1) // 2)
+      assert max(loads) <= -(-pairs // grid) * (num_m + 1), (num_m, heads, grid, loads)
+      # A pair's heavier row block j (< num_m - 1 - j) comes first, its
+      # partner right after.
+      for blocks in schedule:
+        for a, b in zip(blocks, blocks[1:]):
+          j = a % num_m
+          if 2 * j < num_m - 1:
+            assert b == a - j + num_m - 1 - j, (num_m, blocks)
+
+
+def test_cuda_forward_kernel_90_launches_at_most_a_wave():
+  """Kernel 90's forward is persistent: its grid is at most one wave of
+  resident blocks, however many units and splits; the workspace still has a
+  slot per (unit, split). The other forward kernels launch one block per
+  unit and split."""
+  shape = (1, 8192, 16, 128), (1, 8192, 16, 128)
+  config = AttentionConfig(scale=0.1, is_causal=True)
+  for implementation, grid in (("cuda_sm90", 132), ("cuda_sm80", 64 * 16)):
+    plan = cuda.plan(implementation, config, *shape, jnp.bfloat16)
+    launch = _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, *shape), 90, 132, 1)
+    assert launch["units"] == 64 * 16 and launch["blocks"] == grid, (implementation, launch)
+  # Split-KV: 4 units of up to 128 rows over 60000 keys.
+  shape = (1, 200, 2, 128), (1, 60000, 2, 128)
+  plan = cuda.plan("cuda_sm90", AttentionConfig(scale=0.1), *shape, jnp.bfloat16)
+  launch = _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, *shape), 90, 132, 1)
+  assert launch["units"] == 4 and launch["parts"] > 1 and launch["threads"] == 384
+  assert launch["blocks"] == min(132, 4 * launch["parts"])
+  assert launch["slots"] == 4 * launch["parts"]
+
+
 def _check_cpu_plan(B, T, S, N, K, H):
   record = _ffi.recorded_plans()["cpu"]
   assert (record["B"], record["T"], record["S"], record["N"], record["K"], record["H"]) == (

@@ -343,8 +343,10 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
     l.units = fa_forward_units(dims, l.tile.Br);
     l.parts = static_cast<int>(SplitCount(l.units, S, wave, kMinSplitKeys, kMaxSplits));
-    l.blocks = l.units * l.parts;
-    if (l.parts > 1) l.slots = l.blocks;
+    if (l.parts > 1) l.slots = l.units * l.parts;
+    // Kernel 90 is persistent: at most one wave of blocks walks the units'
+    // splits (attention_wgmma.cu).
+    l.blocks = v.kernel_sm == 90 ? std::min(l.units * l.parts, wave) : l.units * l.parts;
   }
   l.workspace_floats = l.slots * rows * (H + 1);
   return l;

@@ -109,7 +109,8 @@ struct LaunchPlan {
   int64_t units = 0;      // forward: row blocks of Br rows; decode: B * K heads;
                           // backward: fa_backward_dq's grid (row blocks; 0
                           // where dK/dV's kernel adds dQ by atomics)
-  int64_t blocks = 0;     // the grid (backward: fa_backward_dkdv's, key tiles)
+  int64_t blocks = 0;     // the grid (backward: fa_backward_dkdv's, key tiles;
+                          // forward kernel 90: at most a wave, persistent)
   int parts = 1;          // FaSplitKV::parts: forward splits per unit; decode:
                           // blocks of the lean partition
   int64_t slots = 0;      // partial states in the workspace (0: no split)

@@ -35,8 +35,8 @@
 //   extern "C" __constant__ int fa_params_bytes;  // sizeof its parameters
 // and is launched with fa_forward_tile / fa_decode_tile's threads and
 // dynamic shared memory; grids: fa_forward_units below, each unit split in
-// FaSplitKV::parts, and the decode kernel's lean partition
-// (attention_decode.cu).
+// FaSplitKV::parts (kernel 90: at most one wave of persistent blocks walking
+// them), and the decode kernel's lean partition (attention_decode.cu).
 #pragma once
 
 #include "attention_dtypes.h"
@@ -158,6 +158,25 @@ struct FaTmaMaps {
 // `parts` (FaSplitKV). Host and device compute it here.
 FA_HOST_DEVICE long long fa_forward_units(const FaOperands& p, int Br) {
   return (long long)((p.T + Br - 1) / Br) * p.N * p.B;
+}
+
+// Persistent kernel 90's schedule: the work block (fa_block_at's index, in
+// [0, work)) that block i of a grid of G takes at its step k; -1 for none at
+// that step; `work` or more once it has no more. Block i of a call that is
+// not causal takes i, i + G, i + 2G, ... Under causal masking (each head's
+// num_m row blocks heaviest first, fa_block_at) it takes pairs i, i + G, ...:
+// row blocks j and num_m - 1 - j of one head and split, the heavier first,
+// together num_m + 1 row blocks' keys whatever j. (A plain stride gives a
+// block the same row block of every head: on 16 heads of 128 row blocks
+// the busiest would have 1.57x the mean's keys.)
+FA_HOST_DEVICE int fa_persistent_index(bool causal, int num_m, int work, int G, int i, int k) {
+  if (!causal) return i + k * G;
+  const int half = (num_m + 1) / 2;
+  const int pair = i + (k >> 1) * G;
+  if (pair >= work / num_m * half) return work;
+  const int h = pair / half, j = pair - h * half;
+  if ((k & 1) == 0) return h * num_m + j;
+  return num_m - 1 - j == j ? -1 : h * num_m + num_m - 1 - j;
 }
 
 #ifdef __CUDACC_RTC__
@@ -384,7 +403,8 @@ __device__ __forceinline__ void fa_store_quad(void* out, long long at, const flo
 
 // --- Blocks and tiles ---------------------------------------------------------
 
-// What a block of fa_forward owns: query rows [m0, m0 + Br) of batch b,
+// What block `index` of fa_forward's work (fa_forward_units * parts blocks,
+// split-major) owns: query rows [m0, m0 + Br) of batch b,
 // head n (reading key/value head kvh), and split `split` of their key tiles:
 // unit `unit` of fa_forward_units. [t_begin, t_end) are the tiles of Bc
 // keys it walks: its split's share of those covering the keys [lo, hi) that
@@ -395,12 +415,12 @@ struct FaBlock {
   int b, n, kvh, m0, q_len, kv_len, split, unit, lo, hi, t_begin, t_end;
 };
 
-__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int Br, int Bc) {
+__device__ __forceinline__ FaBlock fa_block_at(const FaParams& p, int Br, int Bc, int index) {
   const int num_m = (p.T + Br - 1) / Br;
   const int units = num_m * p.N * p.B;
   FaBlock k;
-  k.split = blockIdx.x / units;
-  k.unit = blockIdx.x - k.split * units;
+  k.split = index / units;
+  k.unit = index - k.split * units;
   int mb = k.unit % num_m;
   const int bn = k.unit / num_m;
   k.n = bn % p.N, k.b = bn / p.N;
@@ -413,6 +433,12 @@ __device__ __forceinline__ FaBlock fa_block(const FaParams& p, int Br, int Bc) {
   fa_key_tiles(k.lo, k.hi, Bc, &k.t_begin, &k.t_end);
   fa_split_tiles(k.split, p.split.parts, &k.t_begin, &k.t_end);
   return k;
+}
+
+// The block this launch's block blockIdx.x owns, where the grid holds one
+// block per unit and split.
+__device__ __forceinline__ FaBlock fa_block(const FaParams& p, int Br, int Bc) {
+  return fa_block_at(p, Br, Bc, blockIdx.x);
 }
 
 // A tile of rows of a (B, L, heads, H) 16-bit array: row r at base + r * ld;

@@ -1,14 +1,20 @@
 // Fused forward attention on Hopper's warpgroup tensor cores: kernel 90
 // (wgmma.mma_async, sm_90a), fp16/bf16, kernel head dims multiples of 64.
 //
-// Each block owns Br = 128 query rows of one (batch, head) and is warp
-// specialized, as in FlashAttention-3: a producer warpgroup loads Q, then K
-// and V tile by tile, into a ring of kStages shared-memory stages with the
-// tensor memory accelerator (TMA, cp.async.bulk.tensor), and two consumer
-// warpgroups of 64 rows compute. mbarriers link them: the producer's loads
-// complete a stage's "full" barrier, each consumer warp arrives on its
-// "empty" one once its wgmma has read it. The producer gives most of its
-// registers to the consumers (setmaxnreg).
+// The kernel is persistent, as FlashAttention-3's (Shah et al., 2024): its
+// grid is at most one wave (PlanLaunch, csrc/cuda/variants.cc) and each
+// block walks the work blocks fa_persistent_index gives it (fa_block_at:
+// Br = 128 query rows of one (batch, head) and a split of their key tiles),
+// so the next one's Q and first K and V tiles load while this one's last
+// products, softmax and stores run. A block is warp specialized: a producer
+// warpgroup loads Q, then K and V tile by tile, into a ring of kStages
+// shared-memory stages with the tensor memory accelerator (TMA,
+// cp.async.bulk.tensor), and two consumer warpgroups of 64 rows compute.
+// mbarriers link them: the producer's loads complete a stage's "full"
+// barrier, each consumer warp arrives on its "empty" one once its wgmma has
+// read it (Q's once the work block's last S = Q K^T is done). The ring's
+// stages and phases run on across work blocks. The producer gives most of
+// its registers to the consumers (setmaxnreg).
 //
 // TMA zero-fills rows past T and S and columns past H, but keys in [kv_len,
 // S) hold whatever the caller left there (NaN included), and P V must see
@@ -35,8 +41,9 @@ namespace {
 
 constexpr int kWG = 2;                     // warpgroups of 64 rows
 constexpr int kThreads = kTile.threads;    // (kWG + 1) * 128: + the producer warpgroup
-// Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 <= 65536.
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+// Registers per thread after setmaxnreg, within the 168 * 384 of the launch:
+// 128 * 32 + 256 * 232 (the producer walks its work blocks in 24 with spills).
+constexpr int kProducerRegs = 32, kConsumerRegs = 232;
 constexpr int kStages = kFaWgmmaStages;
 constexpr int kQBytes = kBr * kH * 2;
 constexpr int kKVBytes = kBc * kH * 2;
@@ -78,11 +85,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
 
-  const FaBlock blk = fa_block(p, kBr, kBc);
-  const int b = blk.b, n = blk.n, kvh = blk.kvh, m0 = blk.m0;
-  const int q_len = blk.q_len, kv_len = blk.kv_len;
-
-  const int t_begin = blk.t_begin, t_end = blk.t_end;
+  // The work blocks (every unit's splits) and this block's share of them.
+  const int num_m = (p.T + kBr - 1) / kBr;
+  const int work = static_cast<int>(fa_forward_units(p, kBr)) * p.split.parts;
+  auto next = [&](int k) {
+    return fa_persistent_index(p.rules.causal, num_m, work, gridDim.x, blockIdx.x, k);
+  };
 
   const unsigned sbase = (fa_smem_u32(smem) + 1023) & ~1023u;
   const unsigned sq = sbase;
@@ -90,12 +98,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   auto sv = [&](int st) { return sk(st) + kKVBytes; };
   const unsigned bars = sbase + kQBytes + kStages * 2 * kKVBytes;
   const unsigned q_full = bars;
+  const unsigned q_empty = bars + 8 + 4 * kStages * 8;
   auto k_full = [&](int st) { return bars + 8 + st * 8; };
   auto v_full = [&](int st) { return bars + 8 + (kStages + st) * 8; };
   auto k_empty = [&](int st) { return bars + 8 + (2 * kStages + st) * 8; };
   auto v_empty = [&](int st) { return bars + 8 + (3 * kStages + st) * 8; };
   if (tid == 0) {
     mbar_init(q_full, 1);
+    mbar_init(q_empty, kWG * 4);
     for (int st = 0; st < kStages; ++st) {
       mbar_init(k_full(st), kLoaders);
       mbar_init(v_full(st), kLoaders);
@@ -106,17 +116,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == kWG) {
-    // Producer warpgroup: Q, then K and V tile by tile into the stages the
-    // consumers have released. Tile u of the block uses stage u % kStages
-    // for the (u / kStages)-th time; its first use waits for nothing.
+    // Producer warpgroup: per work block, Q once the consumers have released
+    // the last one, then K and V tile by tile into the stages they have
+    // released. The block's u-th tile in all uses stage u % kStages for the
+    // (u / kStages)-th time; a first use waits for nothing.
     set_max_regs_dec<kProducerRegs>();
     const int ltid = tid - kWG * 128;
     const bool lead = ltid == 0;  // issues the TMA loads
     // A K or V tile into a stage: TMA when all its keys are below kv_len;
     // else cp.async by every producer thread. The full barrier counts one
     // arrival per producer thread either way.
-    auto load_kv = [&](unsigned dst, const FaTensorMap& map, const void* src, int j0,
-                       unsigned full) {
+    auto load_kv = [&](unsigned dst, const FaTensorMap& map, const void* src, int b, int kvh,
+                       int kv_len, int j0, unsigned full) {
       if (j0 + kBc <= kv_len) {
         if (lead) {
           mbar_arrive_expect_tx(full, kKVBytes);
@@ -132,35 +143,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_cp_async(full);
       }
     };
-    if (t_end > t_begin) {
+    int u = 0, qu = 0;  // tiles and Q tiles loaded
+    for (int k = 0, i; (i = next(k)) < work; ++k) {
+      if (i < 0) continue;
+      const FaBlock blk = fa_block_at(p, kBr, kBc, i);
+      if (blk.t_end <= blk.t_begin) continue;
       if (lead) {
+        mbar_wait(q_empty, (qu & 1) ^ 1);
         mbar_arrive_expect_tx(q_full, kQBytes);
-        tile_tma<kBr>(sq, maps.q, n, m0, b, q_full);
+        tile_tma<kBr>(sq, maps.q, blk.n, blk.m0, blk.b, q_full);
       }
-      for (int tile = t_begin; tile < t_end; ++tile) {
-        const int u = tile - t_begin, st = u % kStages, ph = (u / kStages) & 1;
+      ++qu;
+      for (int tile = blk.t_begin; tile < blk.t_end; ++tile, ++u) {
+        const int st = u % kStages, ph = (u / kStages) & 1;
         mbar_wait(k_empty(st), ph ^ 1);
-        load_kv(sk(st), maps.k, p.k, tile * kBc, k_full(st));
+        load_kv(sk(st), maps.k, p.k, blk.b, blk.kvh, blk.kv_len, tile * kBc, k_full(st));
         mbar_wait(v_empty(st), ph ^ 1);
-        load_kv(sv(st), maps.v, p.v, tile * kBc, v_full(st));
+        load_kv(sv(st), maps.v, p.v, blk.b, blk.kvh, blk.kv_len, tile * kBc, v_full(st));
       }
     }
     return;
   }
 
   set_max_regs_inc<kConsumerRegs>();
-  // This warp's 16 rows decide the elementwise mask.
-  const int w0 = m0 + wg * 64 + (warp & 3) * 16, w1 = w0 + 16;
-
-  float o[kNo][4];
-#pragma unroll
-  for (int i = 0; i < kNo; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float row_m[2] = {FA_NEG_INF, FA_NEG_INF}, row_l[2] = {0.f, 0.f};
   const FaUnits units = fa_units(FA_EXTRAS ? 1.f : p.rules.scale);  // FaUnits
-#if FA_FEATURES
-  const FaAlibiWarp alibi = fa_alibi_warp(p, b, n, w0);
-#endif
-
+  float o[kNo][4];
+  float row_m[2], row_l[2];
   float s[kNs][4];
   unsigned pa[kBc / 16][4];  // P of the previous tile, as wgmma A fragments
   float alpha[2];
@@ -184,60 +192,80 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
     wg_commit();
   };
-  // The softmax of S: probabilities in s, the rescale factors in alpha.
-  auto probs = [&](int tile) {
-    const int n0 = tile * kBc;
-    if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
-      fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
-#if FA_FEATURES
-    fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
-                     fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi);
-#endif
-    fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
-  };
   auto pack = [&]() {
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) fa_pack_a(s, kk, pa[kk]);
   };
 
-  if (t_end > t_begin) {
-    // Software pipeline: while the tensor cores run O += P(j-1) V(j-1), the
-    // softmax of S(j) runs on the CUDA cores.
-    mbar_acquire(q_full, 0);
-    for (int tile = t_begin; tile < t_end; ++tile) {
-      const int u = tile - t_begin, st = u % kStages, ph = (u / kStages) & 1;
-      const int pst = (u + kStages - 1) % kStages, pph = ((u - 1) / kStages) & 1;
-      mbar_acquire(k_full(st), ph);
-      if (u > 0) mbar_acquire(v_full(pst), pph);
+  int u = 0, qu = 0;  // tiles and Q tiles consumed, as the producer counts them
+  for (int k = 0, i; (i = next(k)) < work; ++k) {
+    if (i < 0) continue;
+    const FaBlock blk = fa_block_at(p, kBr, kBc, i);
+    const int b = blk.b, n = blk.n, q_len = blk.q_len, kv_len = blk.kv_len;
+    // This warp's 16 rows decide the elementwise mask.
+    const int w0 = blk.m0 + wg * 64 + (warp & 3) * 16, w1 = w0 + 16;
+#pragma unroll
+    for (int c = 0; c < kNo; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
+    row_m[0] = row_m[1] = FA_NEG_INF;
+    row_l[0] = row_l[1] = 0.f;
+#if FA_FEATURES
+    const FaAlibiWarp alibi = fa_alibi_warp(p, b, n, w0);
+#endif
+    // The softmax of S: probabilities in s, the rescale factors in alpha.
+    auto probs = [&](int tile) {
+      const int n0 = tile * kBc;
+      if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
+        fa_mask_rows(p.rules, s, w0 + g, n0, q_len, kv_len, t4);
+#if FA_FEATURES
+      fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
+                       fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi);
+#endif
+      fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
+    };
+
+    if (blk.t_end > blk.t_begin) {
+      // Software pipeline: while the tensor cores run O += P(j-1) V(j-1), the
+      // softmax of S(j) runs on the CUDA cores.
+      mbar_acquire(q_full, qu & 1);
+      ++qu;
+      for (int tile = blk.t_begin; tile < blk.t_end; ++tile, ++u) {
+        const bool first = tile == blk.t_begin;
+        const int st = u % kStages, ph = (u / kStages) & 1;
+        const int pu = first ? 0 : u - 1, pst = pu % kStages, pph = (pu / kStages) & 1;
+        mbar_acquire(k_full(st), ph);
+        if (!first) mbar_acquire(v_full(pst), pph);
+        reg_fence<kNo * 4>(&o[0][0]);
+        wg_fence();
+        issue_s(st);
+        if (!first) issue_pv(pst);
+        if (!first) wg_wait<1>(); else wg_wait<0>();
+        reg_fence<kNs * 4>(&s[0][0]);
+        mbar_release_warp(k_empty(st), lane);
+        if (tile == blk.t_end - 1) mbar_release_warp(q_empty, lane);
+        probs(tile);
+        wg_wait<0>();
+        reg_fence<kNo * 4>(&o[0][0]);
+        if (!first) mbar_release_warp(v_empty(pst), lane);
+        fa_rescale_rows(o, alpha);
+        pack();
+      }
+      // The last tile's P V; its stage goes back for the next work block.
+      const int last = u - 1;
+      mbar_acquire(v_full(last % kStages), (last / kStages) & 1);
       reg_fence<kNo * 4>(&o[0][0]);
       wg_fence();
-      issue_s(st);
-      if (u > 0) issue_pv(pst);
-      if (u > 0) wg_wait<1>(); else wg_wait<0>();
-      reg_fence<kNs * 4>(&s[0][0]);
-      mbar_release_warp(k_empty(st), lane);
-      probs(tile);
+      issue_pv(last % kStages);
       wg_wait<0>();
       reg_fence<kNo * 4>(&o[0][0]);
-      if (u > 0) mbar_release_warp(v_empty(pst), lane);
-      fa_rescale_rows(o, alpha);
-      pack();
+      mbar_release_warp(v_empty(last % kStages), lane);
     }
-    // The last tile's P V.
-    const int u = t_end - 1 - t_begin;
-    mbar_acquire(v_full(u % kStages), (u / kStages) & 1);
-    reg_fence<kNo * 4>(&o[0][0]);
-    wg_fence();
-    issue_pv(u % kStages);
-    wg_wait<0>();
-    reg_fence<kNo * 4>(&o[0][0]);
-  }
-
-  // The block's unit, recomputed rather than kept live across the loop.
-  const FaBlock end = fa_block(p, kBr, kBc);
+    // The work block, recomputed rather than kept live across the loop.
+    const FaBlock end = fa_block_at(p, kBr, kBc, i);
+    const int row0 = end.m0 + wg * 64 + (warp & 3) * 16 + g;
 #if FA_FEATURES
-  fa_alibi_rows_end(p, row_m, end.b, end.n, w0 + g, alibi);
+    fa_alibi_rows_end(p, row_m, end.b, end.n, row0, alibi);
 #endif
-  fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, w0 + g, t4, units,
-                fa_forward_slot(p, end));
+    fa_write_rows(p, o, row_m, row_l, end.b, end.n, end.m0, kBr, row0, t4, units,
+                  fa_forward_slot(p, end));
+  }
 }
