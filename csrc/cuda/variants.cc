@@ -343,10 +343,11 @@ LaunchPlan PlanLaunch(const KernelVariant& v, int64_t B, int64_t T, int64_t S, i
     dims.B = static_cast<int>(B), dims.T = static_cast<int>(T), dims.N = static_cast<int>(N);
     l.units = fa_forward_units(dims, l.tile.Br);
     l.parts = static_cast<int>(SplitCount(l.units, S, wave, kMinSplitKeys, kMaxSplits));
-    if (l.parts > 1) l.slots = l.units * l.parts;
+    const int64_t work = l.units * l.parts;
+    if (l.parts > 1) l.slots = work;
     // Kernel 90 is persistent: at most one wave of blocks walks the units'
     // splits (attention_wgmma.cu).
-    l.blocks = v.kernel_sm == 90 ? std::min(l.units * l.parts, wave) : l.units * l.parts;
+    l.blocks = v.kernel_sm == 90 ? std::min(work, wave) : work;
   }
   l.workspace_floats = l.slots * rows * (H + 1);
   return l;
