@@ -39,6 +39,9 @@ CASES = (
     # sm90 paths' forward is the decode kernel (row groups sharing a ring).
     (2, 16, 2100, 8, 2, 64, {"softcap": 20.0}, False, False, False),
     (1, 3, 4099, 4, 1, 128, {}, False, False, False),
+    # More work blocks than an H100 holds blocks at once (8 row blocks of 32
+    # heads): sm_90's persistent forward walks several per block.
+    (2, 1000, 1000, 16, 4, 64, {"is_causal": True}, False, False, True),
 )
 
 #: fast_attention's name of each AttentionConfig rule above.
