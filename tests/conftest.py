@@ -6,8 +6,9 @@
   jax. Likewise, no preallocation of GPU memory.
 * On a GPU, the kernel cache is filled for its arch before the tests start.
 * The path under test: ``FASTATTN_TEST_IMPLEMENTATION`` (unset: ``None``, the
-  library's choice for the platform) so that the same suite can later run on
-  a GPU, e.g. ``JAX_PLATFORMS=cuda FASTATTN_TEST_IMPLEMENTATION=... pytest``.
+  library's choice for the platform) so that the same suite runs forced onto
+  one path on a GPU, e.g. ``FASTATTN_TEST_IMPLEMENTATION=cuda_sm90 pytest``
+  (JAX's default platforms: the CPU tests need the CPU backend beside CUDA).
 * Tests marked ``gpu`` skip with a reason when no GPU is present; tests
   marked ``slow`` (large shapes, many examples) run only with ``--slow``, so
   that ``pytest tests`` on a GPU stays within minutes; ``make test`` passes it.

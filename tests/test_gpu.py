@@ -1,6 +1,6 @@
 """GPU paths. Skipped (with the reason) without a GPU; on a GPU machine run
-the whole suite with ``JAX_PLATFORMS=cuda`` and, to force a path,
-``FASTATTN_TEST_IMPLEMENTATION=<name>`` (every other test file then exercises
+the whole suite with JAX's default platforms (CUDA and the CPU) and, to force
+a path, ``FASTATTN_TEST_IMPLEMENTATION=<name>`` (every other test file then exercises
 that path through the ``impl`` fixture). This file checks what is specific to
 the GPU: the path choice, every CUDA path on the device at hand, command
 buffers, and kernels found again by a fresh process that loads its executable
