@@ -124,11 +124,20 @@ FA_TILE_FN bool fa_volta_one_kv(int h) {
 // --- attention_wgmma.cu (kernel 90) ---------------------------------------------
 
 // Bc: a consumer thread holds S (Bc / 2 registers), the previous tile's P
-// (Bc / 4) and O (H / 2) at once; these are the widest that do not spill.
+// (Bc / 4) and O (H / 2) at once; these are the widest that do not spill
+// (at H = 256 with the extras, 64 would).
 FA_TILE_FN int fa_wgmma_Bc(int h, bool extras) {
-  return h <= 128 ? (extras ? 64 : 128) : h <= 192 ? 64 : 32;
+  return h <= 128 ? (extras ? 64 : 128) : h <= 192 || !extras ? 64 : 32;
 }
-constexpr int kFaWgmmaStages = 3;  // fits 227 KB at every H
+// Shared memory: Q (128 rows), `stages` stages of K and V, then alignment
+// slack and the mbarriers.
+FA_TILE_FN int fa_wgmma_smem(int h, int Bc, int stages) {
+  return 128 * h * 2 + stages * 2 * Bc * h * 2 + 1024 + 128;
+}
+// K/V stages: 3 where they fit an H100's 227 KB, else 2 (H = 256, Bc = 64).
+FA_TILE_FN int fa_wgmma_stages(int h, bool extras) {
+  return fa_wgmma_smem(h, fa_wgmma_Bc(h, extras), 3) <= 227 * 1024 ? 3 : 2;
+}
 
 // --- attention_decode.cu ------------------------------------------------------------
 
@@ -353,8 +362,7 @@ FA_TILE_FN FaTile fa_backward_tile(int kernel_sm, int h, bool atomic_dq) {
 FA_TILE_FN FaTile fa_forward_tile(int kernel_sm, int h, bool extras, int cc) {
   if (kernel_sm == 90) {
     const int Bc = fa_wgmma_Bc(h, extras);
-    // Q, the K and V stages, then alignment slack and the mbarriers.
-    return FaTile{128, Bc, 3 * 128, 128 * h * 2 + kFaWgmmaStages * 2 * Bc * h * 2 + 1024 + 128};
+    return FaTile{128, Bc, 3 * 128, fa_wgmma_smem(h, Bc, fa_wgmma_stages(h, extras))};
   }
   if (kernel_sm == 70) {
     const int Br = 4 * 8 * fa_volta_row_groups(h), Bc = fa_volta_Bc(h);

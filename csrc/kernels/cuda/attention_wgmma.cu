@@ -44,7 +44,7 @@ constexpr int kThreads = kTile.threads;    // (kWG + 1) * 128: + the producer wa
 // Registers per thread after setmaxnreg, within the 168 * 384 of the launch:
 // 128 * 32 + 256 * 232 (the producer walks its work blocks in 24 with spills).
 constexpr int kProducerRegs = 32, kConsumerRegs = 232;
-constexpr int kStages = kFaWgmmaStages;
+constexpr int kStages = fa_wgmma_stages(kH, FA_EXTRAS);
 constexpr int kQBytes = kBr * kH * 2;
 constexpr int kKVBytes = kBc * kH * 2;
 constexpr int kNs = kBc / 8;  // n8 blocks of S
