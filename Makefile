@@ -90,12 +90,13 @@ bazel: $(VENV)/.installed-test
 	  > "$$($(BAZEL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/venv-packages.pth"; }
 
 # The CPU numerics and the build checks against the Bazel-built extension,
-# compared with the CMake build that .venv imports.
+# compared with the CMake build that .venv imports (the slow large-shape cases
+# run once, against the CMake build, in the suite).
 bazel-test:
 ifeq ($(CAN_BAZEL),yes)
 	$(MAKE) bazel
 	mkdir -p build && $(PY) -m fastattn_jax > build/cmake-build.json
-	FASTATTN_TEST_BUILD=build/cmake-build.json $(BAZEL_VENV)/bin/python -m pytest -n 2 --slow \
+	FASTATTN_TEST_BUILD=build/cmake-build.json $(BAZEL_VENV)/bin/python -m pytest -n 2 \
 	  tests/test_build.py tests/test_numerics.py
 else
 	@echo "skipped the Bazel build: no bazel on PATH, and no apt-get with root to install Debian's bazel-bootstrap"
