@@ -140,6 +140,24 @@ def test_cuda_forward_kernel_90_launches_at_most_a_wave():
   assert launch["slots"] == 4 * launch["parts"]
 
 
+
+def test_cuda_forward_kernel_90_tiles_fit_an_h100():
+  """Kernel 90's forward tile fits an H100's 227 KB of shared memory at every
+  kernel head dim, with and without the extras; at H = 256 the plain build
+  takes Bc = 64 keys in two stages (the wider S product measured 1.3-1.4x
+  the 32 of three stages), the extras build 32 (64 spills there)."""
+  config = AttentionConfig(scale=0.1)
+  for h in (64, 128, 192, 256):
+    shape = (1, 1024, 4, h), (1, 1024, 4, h)
+    for extras in (False, True):
+      plan = cuda.plan("cuda_sm90", config, *shape, jnp.bfloat16, extras)
+      assert plan["kernel_sm"] == 90 and bool(plan["extras"]) == extras, (h, plan)
+      launch = _ffi.cuda_plan_launch(plan["variant"], *cuda.kernel_shape(plan, *shape), 90,
+                                     132, 1)
+      assert launch["smem_bytes"] <= 227 * 1024, (h, extras, launch)
+      if h == 256:
+        assert launch["Bc"] == (32 if extras else 64), (extras, launch)
+
 def _check_cpu_plan(B, T, S, N, K, H):
   record = _ffi.recorded_plans()["cpu"]
   assert (record["B"], record["T"], record["S"], record["N"], record["K"], record["H"]) == (
