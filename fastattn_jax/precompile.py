@@ -28,6 +28,14 @@ def spills(log: str) -> int:
       r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
 
 
+def serialized_wgmma(log: str) -> bool:
+  """Whether ptxas serialized a kernel's wgmma instructions (its note C7514:
+  an instruction between a wgmma's issue and its wait that it cannot prove
+  leaves the accumulators alone), which takes away every overlap of the
+  tensor cores with the rest of the kernel."""
+  return "C7514" in log
+
+
 def _csv(kind):
   return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
@@ -67,6 +75,8 @@ def main(argv=None) -> int:
         if spills(r["log"]):
           print(f"note: {r['variant']} for {r['target']} spills registers "
                 f"({spills(r['log'])} bytes)")
+        if serialized_wgmma(r["log"]):
+          print(f"note: {r['variant']} for {r['target']} runs its wgmma serialized (ptxas C7514)")
       except RuntimeError as err:
         failed.append(f"{_ffi.cuda_variant(key)['describe']} for compute capability {cc}: {err}")
       if sys.stderr.isatty():

@@ -1,15 +1,16 @@
 """The CUDA kernels compile with NVRTC on a machine without a GPU, and the
 kernel cache is safe: for sm_70, sm_75, sm_80 and sm_90, every shipped
 variant of the kernels that GPU runs by default (register spills fail the
-main variants), concurrent processes filling one cache, and a corrupt entry
-rebuilt. The older kernels a newer GPU runs only when forced (kernel 70 on
-sm_75 and newer, kernel 75 on sm_80 and newer) are left out to keep CI
-within its time: they were a third of the 992 compiles, and the GPU suite's
-forced paths compile every one of them for sm_90 on the device. sm_86
-compiles kernel 80's sources as sm_80 does, with the same register file,
-and is left out likewise; so are the variants a lower arch of the list runs
-by default too (kernel 80's on sm_90, kernel 75's decode builds on sm_75),
-which that arch's case compiles.
+main variants, wgmma instructions that ptxas serializes fail any),
+concurrent processes filling one cache, and a corrupt entry rebuilt. The
+older kernels a newer GPU runs only when forced (kernel 70 on sm_75 and
+newer, kernel 75 on sm_80 and newer) are left out to keep CI within its
+time: they were a third of the 992 compiles, and the GPU suite's forced
+paths compile every one of them for sm_90 on the device. sm_86 compiles
+kernel 80's sources as sm_80 does, with the same register file, and is left
+out likewise; so are the variants a lower arch of the list runs by default
+too (kernel 80's on sm_90, kernel 75's decode builds on sm_75), which that
+arch's case compiles.
 
 NVRTC comes from PyPI (``nvidia-cuda-nvrtc-cu12``, in the ``test`` extra),
 which targets sm_70..sm_90 with no GPU or toolkit.
@@ -104,8 +105,22 @@ def test_every_shipped_variant_compiles(cc, cache):
   spilling = [f"{v['describe']}: {precompile.spills(r['log'])} bytes" for v, r in results
               if precompile.spills(r["log"]) and _main_variant(v, cc)]
   assert not spilling, "register spills in main variants:\n" + "\n".join(spilling)
+  serialized = [v["describe"] for v, r in results if precompile.serialized_wgmma(r["log"])]
+  assert not serialized, "ptxas serialized the wgmma (C7514) of:\n" + "\n".join(serialized)
   assert all(r["cubin_bytes"] > 0 and not r["from_cache"] for _, r in results)
   assert len(os.listdir(cache)) == len(keys)
+
+
+def test_ptxas_reports_are_read():
+  """The two ptxas findings that fail a compile above, as ptxas 12-13 words
+  them (serialized wgmma: the note C7514; C7519 is harmless)."""
+  log = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 2312 by compiler\n"
+         "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+         "serialized due to non wgmma instructions reading accumulator registers\n"
+         "ptxas         .     16 bytes stack frame, 20 bytes spill stores, 20 bytes spill loads\n")
+  assert precompile.serialized_wgmma(log) and precompile.spills(log) == 40
+  harmless = log.splitlines()[0]
+  assert not precompile.serialized_wgmma(harmless) and precompile.spills(harmless) == 0
 
 
 def _compile_in_subprocess(cache_dir):
