@@ -218,23 +218,62 @@ __device__ __forceinline__ void fa_alibi_rows_end(const FaParams& p, float (&m)[
 // over the key tile at n0: turns the Q K^T accumulators s into probabilities
 // (one ex2 per logit, fa_weight), updates the row maximum m and partial sum
 // l, and returns in alpha the factor the output rows must be rescaled by
-// (fa_rescale_rows). Variants without extras (FA_EXTRAS 0) keep unscaled
-// logits and maxima, units fa_units(scale); those with extras map each
-// visible logit through fa_extras_logit first, units fa_units(1)
-// (attention_common.cuh's FaUnits). Params: the kernel's parameters (the
-// decode kernel's, which has no extras, too).
-template <int kNs, class Params>
-__device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs][4],
+// (fa_rescale_rows), and whether they must (false: alpha is 1). Variants
+// without extras (FA_EXTRAS 0) keep unscaled logits and maxima, units
+// fa_units(scale); those with extras map each visible logit through
+// fa_extras_logit first, units fa_units(1) (attention_common.cuh's FaUnits).
+// Params: the kernel's parameters (the decode kernel's, which has no extras,
+// too).
+template <int kNs, class Params, bool kLean = false>
+__device__ __forceinline__ bool fa_softmax_probs(const Params& p, float (&s)[kNs][4],
                                                  float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], int b, int n, int row0,
                                                  int n0, int t4, const FaUnits& u) {
+  // kLean (kernel 90's variants whose registers allow it) takes the maximum
+  // and the sum in kAcc independent chains, so that its warps have kAcc
+  // instructions to issue where one chain would wait out each one's
+  // latency, and each weight in one fma and one ex2, 2^(x to_log2 -
+  // m to_log2), its rescale from the same rounded m to_log2 (every tile's
+  // probabilities share one reference); and it keeps a stale maximum (below).
+  constexpr int kAcc = kLean ? 4 : 1;
+  float m_new[2];
+  // Row h's weights against its maximum (move) or the reference kept (not).
+  auto weights = [&](int h, bool move) {
+    const float m_ref = move ? m_new[h] : m[h];
+    // A row with nothing visible yet keeps every exponent at -inf: subtract 0
+    // rather than -inf so they give 0, not NaN.
+    const float m_use = m_ref == FA_NEG_INF ? 0.f : m_ref;
+    const float m_log2 = m_use * u.to_log2;
+    alpha[h] = kLean ? fa_ex2(m[h] * u.to_log2 - m_log2) : fa_weight(m[h], m_use, u.to_log2);
+    m[h] = m_ref;
+    float sum[kAcc] = {};
+#pragma unroll
+    for (int nt = 0; nt < kNs; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = s[nt][2 * h + e];
+        const float pe =
+            kLean ? fa_ex2(fmaf(x, u.to_log2, -m_log2)) : fa_weight(x, m_use, u.to_log2);
+        s[nt][2 * h + e] = pe;
+        sum[(2 * nt + e) % kAcc] += pe;
+      }
+    }
+    // Per-thread partial sums; the quad reduces once, in fa_write_rows.
+#pragma unroll
+    for (int a = 1; a < kAcc; a *= 2)
+#pragma unroll
+      for (int c = 0; c + a < kAcc; c += 2 * a) sum[c] += sum[c + a];
+    l[h] = l[h] * alpha[h] + sum[0];
+  };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     [[maybe_unused]] const int i = row0 + h * 8;
 #if FA_EXTRAS
     const FaAlibiRow alibi = fa_alibi_row(p, b, n, i);
 #endif
-    float mx = FA_NEG_INF;
+    float mx[kAcc];
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a) mx[a] = FA_NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < kNs; ++nt) {
 #pragma unroll
@@ -248,30 +287,28 @@ __device__ __forceinline__ void fa_softmax_probs(const Params& p, float (&s)[kNs
         }
         s[nt][2 * h + e] = x;
 #endif
-        mx = fmaxf(mx, x);
+        mx[(2 * nt + e) % kAcc] = fmaxf(mx[(2 * nt + e) % kAcc], x);
       }
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx);
-    // A row with nothing visible yet keeps every exponent at -inf: subtract 0
-    // rather than -inf so they give 0, not NaN.
-    const float m_use = m_new == FA_NEG_INF ? 0.f : m_new;
-    alpha[h] = fa_weight(m[h], m_use, u.to_log2);
-    m[h] = m_new;
-    float sum = 0.f;
+    float row_mx = mx[0];
 #pragma unroll
-    for (int nt = 0; nt < kNs; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pe = fa_weight(s[nt][2 * h + e], m_use, u.to_log2);
-        s[nt][2 * h + e] = pe;
-        sum += pe;
-      }
-    }
-    // Per-thread partial sums; the quad reduces once, in fa_write_rows.
-    l[h] = l[h] * alpha[h] + sum;
+    for (int a = 1; a < kAcc; ++a) row_mx = fmaxf(row_mx, mx[a]);
+    row_mx = fmaxf(row_mx, __shfl_xor_sync(0xffffffffu, row_mx, 1));
+    row_mx = fmaxf(row_mx, __shfl_xor_sync(0xffffffffu, row_mx, 2));
+    m_new[h] = fmaxf(m[h], row_mx);
+    if (!kLean) weights(h, true);
   }
+  if (!kLean) return true;
+  // The reference maximum moves only when some row of the warp grew by more
+  // than 2^8 (FlashAttention-4's conditional rescaling): weights stay below
+  // 256, and the caller skips the output's rescale in most tiles.
+  constexpr float kSlack = 8.f;  // log2 of the largest weight
+  const bool grew = (m_new[0] - m[0]) * u.to_log2 > kSlack ||
+                    (m_new[1] - m[1]) * u.to_log2 > kSlack;
+  const bool move = __any_sync(0xffffffffu, grew);
+  weights(0, move);
+  weights(1, move);
+  return move;
 }
 
 // Rescales output rows row0 (alpha[0]) and row0 + 8 (alpha[1]).

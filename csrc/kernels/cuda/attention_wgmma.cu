@@ -50,6 +50,10 @@ constexpr int kKVBytes = kBc * kH * 2;
 constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
 static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64, "tile");
+// fa_softmax_probs's lean softmax at H = 128 without extras: measured
+// faster there (H100, docs/performance.md), slower at H = 64; with extras
+// its registers would spill.
+constexpr bool kLeanSoftmax = !FA_EXTRAS && kH == 128;
 
 // TMA load of the box at coordinates (c0, c1, c2, c3) of `map` (innermost
 // first) into dst; its bytes complete the transaction count of `bar`.
@@ -211,7 +215,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #if FA_FEATURES
     const FaAlibiWarp alibi = fa_alibi_warp(p, b, n, w0);
 #endif
-    // The softmax of S: probabilities in s, the rescale factors in alpha.
+    // The softmax of S: probabilities in s, the rescale factors in alpha;
+    // whether the output needs them.
     auto probs = [&](int tile) {
       const int n0 = tile * kBc;
       if (!fa_all_visible(p.rules, q_len, kv_len, w0, w1, n0, n0 + kBc))
@@ -220,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
                        fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi);
 #endif
-      fa_softmax_probs(p, s, row_m, row_l, alpha, b, n, w0 + g, n0, t4, units);
+      return fa_softmax_probs<kNs, FaParams, kLeanSoftmax>(p, s, row_m, row_l, alpha, b, n,
+                                                           w0 + g, n0, t4, units);
     };
 
     if (blk.t_end > blk.t_begin) {
@@ -242,11 +248,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         reg_fence<kNs * 4>(&s[0][0]);
         mbar_release_warp(k_empty(st), lane);
         if (tile == blk.t_end - 1) mbar_release_warp(q_empty, lane);
-        probs(tile);
+        const bool rescale = probs(tile);
         wg_wait<0>();
         reg_fence<kNo * 4>(&o[0][0]);
         if (!first) mbar_release_warp(v_empty(pst), lane);
-        fa_rescale_rows(o, alpha);
+        if (rescale) fa_rescale_rows(o, alpha);
         pack();
       }
       // The last tile's P V; its stage goes back for the next work block.
