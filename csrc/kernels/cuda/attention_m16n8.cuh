@@ -229,12 +229,13 @@ __device__ __forceinline__ bool fa_softmax_probs(const Params& p, float (&s)[kNs
                                                  float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], int b, int n, int row0,
                                                  int n0, int t4, const FaUnits& u) {
-  // kLean (kernel 90's variants whose registers allow it) takes the maximum
-  // and the sum in kAcc independent chains, so that its warps have kAcc
-  // instructions to issue where one chain would wait out each one's
-  // latency, and each weight in one fma and one ex2, 2^(x to_log2 -
-  // m to_log2), its rescale from the same rounded m to_log2 (every tile's
-  // probabilities share one reference); and it keeps a stale maximum (below).
+  // kLean (kernel 90 at H = 128 without extras: attention_wgmma.cu's
+  // kLeanSoftmax) takes the maximum and the sum in kAcc independent chains,
+  // so that its warps have kAcc instructions to issue where one chain would
+  // wait out each one's latency, and each weight in one fma and one ex2,
+  // 2^(x to_log2 - m to_log2), its rescale from the same rounded m to_log2
+  // (every tile's probabilities share one reference); and it keeps a stale
+  // maximum (below).
   constexpr int kAcc = kLean ? 4 : 1;
   float m_new[2];
   // Row h's weights against its maximum (move) or the reference kept (not).
