@@ -210,18 +210,20 @@ def test_fully_masked_rows_are_zero_with_minus_inf_lse(rng, impl):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_row_maxima_moving_along_the_keys(dtype, causal, rng, impl):
+@pytest.mark.parametrize("H", [64, 128])
+def test_row_maxima_moving_along_the_keys(H, causal, dtype, rng, impl):
   """Logits that rise (or fall) along the keys at a different rate per row:
-  from 0 to 8 nats (11.5 in log2) per 128 keys, so that a kernel's running maximum
-  moves in most key tiles by more than 2^8 for some rows of a warp and by
-  less for others (kernel 90 keeps a stale reference maximum until one row
-  of the warp grows past 2^8), and falls for the rest."""
-  B, T, S, N, H = 1, 192, 700, 2, 64
+  from 0 to 8 nats (11.5 in log2) per 128 keys, so that a kernel's running
+  maximum moves in most key tiles by more than 2^8 for some rows of a warp
+  and by less for others (kernel 90 at H = 128 keeps a stale reference
+  maximum until one row of the warp grows past 2^8), and falls for the
+  rest."""
+  B, T, S, N = 1, 192, 700, 2
   q, k, v = (np.asarray(x, np.float64) for x in tu.qkv(rng, B, T, S, N, N, H))
   slope = np.linspace(-1.0, 1.0, T)[rng.permutation(T)]  # rows in shuffled order
   ramp = np.arange(S) / 128.0
   q[..., 0] += 8.0 * slope[None, :, None]
-  k[..., 0] = 8.0 * ramp[None, :, None]  # logit += 8 slope ramp (scale 1/8)
+  k[..., 0] = np.sqrt(H) * ramp[None, :, None]  # logit += 8 slope ramp (scale H^-1/2)
   q, k, v = (jnp.asarray(x, tu.DTYPES[dtype]) for x in (q, k, v))
   tu.check_call(q, k, v, is_causal=causal, implementation=impl)
 
