@@ -237,7 +237,7 @@ __device__ __forceinline__ bool fa_softmax_probs(const Params& p, float (&s)[kNs
   // (every tile's probabilities share one reference); and it keeps a stale
   // maximum (below).
   constexpr int kAcc = kLean ? 4 : 1;
-  float m_new[2];
+  float m_new[2] = {m[0], m[1]};  // grown below by the tile's row maxima
   // Row h's weights against its maximum (move) or the reference kept (not).
   auto weights = [&](int h, bool move) {
     const float m_ref = move ? m_new[h] : m[h];
