@@ -36,12 +36,6 @@ def serialized_wgmma(log: str) -> bool:
   return "C7514" in log
 
 
-def compiler_warnings(log: str) -> list[str]:
-  """The CUDA front end's warnings in an NVRTC log, one line each
-  (``file(line): warning #N-D: ...``); ptxas's info lines are not among them."""
-  return re.findall(r"^.*warning #\d+-D.*$", log, re.M)
-
-
 def _csv(kind):
   return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
