@@ -30,7 +30,6 @@
 namespace {
 
 constexpr int kH = FA_HEAD_DIM;
-constexpr bool kPath75 = FA_KERNEL_SM == 75;
 constexpr int kRowBytes = kH * 2 + 16;  // padded smem row
 constexpr int kChunks = kH / 8;         // 16-byte chunks per row
 
@@ -42,11 +41,8 @@ constexpr int kChunks = kH / 8;         // 16-byte chunks per row
 // to 192 at H=128). The accumulators of two m-tiles leave no registers for Q
 // fragments, which are reloaded from shared memory at every k-step, nor for
 // kernel 75's prefetched tile.
-constexpr int kWarps = kTile.threads / 32;
 constexpr int kThreads = kTile.threads;
 constexpr int kMt = fa_mma16_m_tiles(kH);
-constexpr int kStages = fa_mma16_stages(FA_KERNEL_SM);
-constexpr int kSmem = kTile.smem_bytes;
 constexpr int kKs = kH / 16;   // k16 steps of Q K^T
 constexpr int kNs = kBc / 8;   // n8 tiles of S
 constexpr int kNo = kH / 8;    // n8 tiles of O
