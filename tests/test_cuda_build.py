@@ -1,7 +1,8 @@
 """The CUDA kernels compile with NVRTC on a machine without a GPU, and the
 kernel cache is safe: for sm_70, sm_75, sm_80 and sm_90, every shipped
 variant of the kernels that GPU runs by default (register spills fail the
-main variants, wgmma instructions that ptxas serializes fail any),
+main variants, wgmma instructions that ptxas serializes or a warning of the
+front end, such as a name no build uses, fail any),
 concurrent processes filling one cache, and a corrupt entry rebuilt. The
 older kernels a newer GPU runs only when forced (kernel 70 on sm_75 and
 newer, kernel 75 on sm_80 and newer) are left out to keep CI within its
@@ -107,6 +108,9 @@ def test_every_shipped_variant_compiles(cc, cache):
   assert not spilling, "register spills in main variants:\n" + "\n".join(spilling)
   serialized = [v["describe"] for v, r in results if precompile.serialized_wgmma(r["log"])]
   assert not serialized, "ptxas serialized the wgmma (C7514) of:\n" + "\n".join(serialized)
+  warned = sorted({f"{v['describe']}: {line}" for v, r in results for line in r["log"].splitlines()
+                   if "warning #" in line})
+  assert not warned, "the compiler's front end warned:\n" + "\n".join(warned[:20])
   assert all(r["cubin_bytes"] > 0 and not r["from_cache"] for _, r in results)
   assert len(os.listdir(cache)) == len(keys)
 

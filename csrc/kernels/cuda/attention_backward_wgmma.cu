@@ -57,13 +57,9 @@ static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64 && kBc == kWG * 64,
 static_assert(kH == 64 || kH == 128, "the backward kernels take kernel head dims 64 and 128");
 constexpr int kDsBytes = kBc * kStep * 2;  // one step's dS^T: kBc rows of kStep queries
 constexpr int kDsBuffers = kFaWgmmaBackwardDsBuffers;
-// Atomic dQ: with 64-row steps each warpgroup takes half of dQ's columns for
-// all the step's rows, with 128-row steps all columns for its 64 rows.
-constexpr bool kDqByRows = kStep == 128;
-constexpr int kDqCols = fa_wgmma_backward_dq_cols(kH);
+// Atomic dQ's staging in shared memory (both builds lay it out).
 constexpr int kDqPitch = fa_wgmma_backward_dq_pitch(kH);  // floats
 constexpr int kDqStageBytes = fa_wgmma_backward_dq_stage_bytes(kH);
-constexpr int kNq = kDqCols / 8;  // n8 blocks of a warpgroup's dQ columns
 static_assert(kStep == 64 || kStep == 128, "dS^T rows of one or two 128-byte panels");
 
 // A tile of ROWS rows of a (B, L, heads, H) array, from row `row` of `head`
@@ -127,6 +123,12 @@ __device__ __forceinline__ void zero(float (&acc)[kNo][4]) {
 }
 
 #if FA_ATOMIC_DQ
+// Atomic dQ: with 64-row steps each warpgroup takes half of dQ's columns for
+// all the step's rows, with 128-row steps all columns for its 64 rows.
+constexpr bool kDqByRows = kStep == 128;
+constexpr int kDqCols = fa_wgmma_backward_dq_cols(kH);
+constexpr int kNq = kDqCols / 8;  // n8 blocks of a warpgroup's dQ columns
+
 // Stores this warp's dS^T fragments (packed A operands: rows kr and kr + 8
 // of the block's keys, query columns 16 kk + 2 t4 (+ 8)) into the swizzled
 // dS^T tile at ds: one row of kStep queries per key.

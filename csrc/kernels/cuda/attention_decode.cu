@@ -137,7 +137,8 @@ constexpr int kThreads = kTile.threads;
 // maxima and sums are kept per key group.
 constexpr int kRowGroups = fa_decode_row_groups(FA_KERNEL_SM, kRows);
 constexpr int kKeyGroups = kWarps / kRowGroups;
-constexpr int kSmemBytes = kTile.smem_bytes;
+// Build 90's and the quantized walk's rings check their fit against it.
+[[maybe_unused]] constexpr int kSmemBytes = kTile.smem_bytes;
 // Most segments of a unit in one cluster (1: no clusters; attention_tiles.cuh).
 constexpr int kClusterMax = fa_decode_cluster_max(FA_KERNEL_SM, kRows, kFaCc);
 // Build 80's clusters merge in rank 0 (a slot per segment), build 90's in
@@ -246,12 +247,14 @@ struct DecodeBlock {
     if (!kPaged) return j * key_stride;
     return page_of(j) * page_stride + (j & ((1 << page_shift) - 1)) * key_stride;
   }
+#if FA_KV_QUANT
   // The offset of key j's scale from k_scale or v_scale, by that scale's
   // strides (FaKvScales).
   __device__ __forceinline__ long long scale_at(int j, const long long (&stride)[3]) const {
     if (!kPaged) return j * stride[1];
     return page_of(j) * stride[0] + (j & ((1 << page_shift) - 1)) * stride[1];
   }
+#endif
 
   // Row r's offset (elements) in q / out, and in lse.
   __device__ long long q_at(const FaDecodeParams& p, int r) const {
@@ -267,6 +270,7 @@ struct DecodeBlock {
   // rule as an interval, for a test of two compares per element. (logit
   // keeps fa_visible: asking this there made ptxas spill 8 bytes in build
   // 75's one-row walk on sm_75.)
+#if FA_KERNEL_SM == 90
   __device__ __forceinline__ void row_keys(const FaDecodeParams& p, int r, int* lo,
                                            int* hi) const {
     *lo = 0;
@@ -278,6 +282,7 @@ struct DecodeBlock {
       *hi = min(h, k1);
     }
   }
+#endif
   // The kept logit of row r and key j from the dot product (build 80: raw
   // q . k, soft-capped as the backward does it; build 75: already in log2
   // units), then the index rules on `edge`.
