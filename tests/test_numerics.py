@@ -224,7 +224,11 @@ def test_row_maxima_moving_along_the_keys(H, causal, dtype, rng, impl):
   ramp = np.arange(S) / 128.0
   q[..., 0] += 8.0 * slope[None, :, None]
   k[..., 0] = np.sqrt(H) * ramp[None, :, None]  # logit += 8 slope ramp (scale H^-1/2)
-  q, k, v = (jnp.asarray(x, tu.DTYPES[dtype]) for x in (q, k, v))
+  # Inputs that float16 holds exactly: the CUDA paths compute float32 in
+  # float16, and k's entries up to 62 would round by up to 0.016, putting the
+  # xla path run the same way 0.02 off the float64 LSE, past the bound that
+  # keeps the rule meaningful (seen on the H100 at H = 64 and 128).
+  q, k, v = (jnp.asarray(x.astype(np.float16), tu.DTYPES[dtype]) for x in (q, k, v))
   tu.check_call(q, k, v, is_causal=causal, implementation=impl)
 
 
