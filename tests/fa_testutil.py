@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fastattn_jax
 from fastattn_jax import ascend, cuda, fast_attention
 
 #: The path under test; None lets the library choose for the platform.
@@ -59,6 +60,16 @@ def has_gpu() -> bool:
     return bool(jax.devices("gpu"))
   except RuntimeError:
     return False
+
+
+def fresh_process_env(**overrides) -> dict:
+  """The environment for a fresh Python process that must import the
+  fastattn_jax under test, wherever it came from (an install, or a checkout
+  whose extension was built or copied in place and which pytest's
+  ``pythonpath`` put first): its parent folder first on PYTHONPATH."""
+  root = os.path.dirname(os.path.dirname(fastattn_jax.__file__))
+  path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+  return {**os.environ, "PYTHONPATH": path, **overrides}
 
 
 # --- inputs ------------------------------------------------------------------

@@ -264,7 +264,7 @@ def test_a_damaged_cached_library_is_built_again(tmp_path, damage):
   else:
     data[cut] ^= 0xFF
   entry.write_bytes(bytes(data))
-  env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path), FASTATTN_PTO_ISA=ascend.pto_include())
+  env = tu.fresh_process_env(FASTATTN_CACHE_DIR=str(tmp_path), FASTATTN_PTO_ISA=ascend.pto_include())
   done = subprocess.run([sys.executable, "-c", _RUN_FROM_CACHE], capture_output=True, text=True,
                         env=env, timeout=600)
   assert done.returncode == 0, (

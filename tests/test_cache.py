@@ -3,7 +3,6 @@ written to the cache by one process and loaded by a fresh one (which must
 register the FFI target before running the deserialized executable)."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -47,7 +46,7 @@ def _dtype() -> str:
 
 
 def _run(tmp_path, cache, name):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {k: v for k, v in tu.fresh_process_env().items() if k != "XLA_FLAGS"}
   out = tmp_path / f"{name}.npz"
   proc = subprocess.run(
       [sys.executable, "-c", SCRIPT, str(cache), str(out), tu.IMPL or "", _dtype()],

@@ -134,7 +134,7 @@ def _compile_in_subprocess(cache_dir):
       "print(r['from_cache'])\n")
   return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir)})
+                          env=tu.fresh_process_env(FASTATTN_CACHE_DIR=str(cache_dir)))
 
 
 def test_concurrent_processes_share_the_cache(cache):

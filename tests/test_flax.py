@@ -302,5 +302,5 @@ def test_importing_the_adapter_does_not_import_flax():
   code = ("import sys, fastattn_jax, fastattn_jax.flax; "
           "print(sorted(m for m in ('flax', 'equinox') if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       check=True).stdout
+                       env=tu.fresh_process_env(), check=True).stdout
   assert out.strip() == "[]", out

@@ -116,7 +116,7 @@ def test_fresh_process_from_persistent_compilation_cache(tmp_path):
   jax_cache = tmp_path / "jax_cache"
   outs, hits = [], []
   for run in range(2):
-    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / f"kernels{run}"))
+    env = tu.fresh_process_env(FASTATTN_CACHE_DIR=str(tmp_path / f"kernels{run}"))
     r = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(jax_cache),
                         str(tmp_path / f"out{run}.npy")],
                        env=env, capture_output=True, text=True, timeout=600)
