@@ -10,3 +10,8 @@ endif()
 set(_target "${CMAKE_HOST_SYSTEM_PROCESSOR}-linux-gnu.2.17")
 set(CMAKE_C_COMPILER "$ENV{ZIG}" cc -target ${_target})
 set(CMAKE_CXX_COMPILER "$ENV{ZIG}" c++ -target ${_target})
+# zig's cc and c++ add DWARF debug info by default, which CMake's Release build
+# does not ask for and the wheel's link drops: -g0 leaves the machine code as it
+# is and spends a third less time on the slowest file (the AVX-512 CPU kernel).
+set(CMAKE_C_FLAGS_INIT "-g0")
+set(CMAKE_CXX_FLAGS_INIT "-g0")
