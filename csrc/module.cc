@@ -169,6 +169,7 @@ NB_MODULE(_ffi, m) {
           d["operand_dtype"] = plan.operand_dtype;
           d["row_elements"] = plan.row_elements;
           d["fold_heads"] = plan.fold_heads;
+          d["dq_accumulator"] = cu::DqAccumulatorDims(plan.variant, B, T, N);
           return d;
         },
         nb::arg("kernel_sm"), nb::arg("B"), nb::arg("T"), nb::arg("S"), nb::arg("N"),
@@ -185,7 +186,8 @@ NB_MODULE(_ffi, m) {
         "are pools of pages (only the decode kernel's paged build reads them); kv_quant: "
         "the code of a quantized cache's element (0: none; only the decode kernel's build "
         "80 reads one); features: segment ids or ALiBi (a features build or the extras); "
-        "ValueError names why it cannot.");
+        "ValueError names why it cannot. dq_accumulator: the dims of the backward's float32 "
+        "dq where its variant adds dQ by atomics (else empty: dq is as the query).");
   m.def("cuda_plan_launch",
         [](int64_t key, int64_t B, int64_t T, int64_t S, int64_t N, int64_t K, int64_t H,
            int cc, int multiprocessors, int blocks_per_sm) {

@@ -293,8 +293,10 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
   ``fa_one_hot_tolerance`` in attention_rules.h); q, k, v and d_out go to the
   plan's operand dtype and rows as ``call`` sends them.
   Kernel 90 adds dQ into float32 by atomics unless ``config.deterministic``
-  (then a pass of its own); it is rounded to q's dtype here. No gradient for
-  the bias (``fastattn_jax.attention`` takes it elsewhere).
+  (then a pass of its own), in the layout of the plan's ``dq_accumulator``
+  (B, N, panels, rows, pitch); it is taken out of it and rounded to q's dtype
+  here. No gradient for the bias (``fastattn_jax.attention`` takes it
+  elsewhere).
   """
   _configured()
   B, T, N, H = q.shape
@@ -304,14 +306,19 @@ def call_backward(implementation: str, config: AttentionConfig, q, k, v, bias, m
   delta, magnitude = (jnp.asarray(x, jnp.float32) for x in (delta, magnitude))
   q, k, v, d_out = _kernel_rows(p, q, k, v, d_out)
   # dQ in float32 where the dK/dV kernel adds it by atomics (variant backward 2).
-  dq_dtype = jnp.float32 if p["backward"] == 2 else dtypes[0]
-  grads = kernel_call(BACKWARD_TARGET, tuple(
-      jax.ShapeDtypeStruct(x.shape, t) for x, t in ((q, dq_dtype), (k, dtypes[0]),
-                                                     (v, dtypes[0]))),
+  accumulator = tuple(p["dq_accumulator"])
+  dq_out = (jax.ShapeDtypeStruct(accumulator, jnp.float32) if accumulator
+            else jax.ShapeDtypeStruct(q.shape, dtypes[0]))
+  dq, dk, dv = kernel_call(BACKWARD_TARGET, (
+      dq_out, jax.ShapeDtypeStruct(k.shape, dtypes[0]), jax.ShapeDtypeStruct(v.shape, dtypes[0])),
       config, q, k, v, bias, mask, q_lens, kv_lens, d_out, lse, delta, magnitude,
       features=features, bias_dtype=jnp.float32, variant=np.int64(p["variant"]),
       fold_heads=np.int64(0))
-  return tuple(g[..., :H].astype(dt) for g, dt in zip(grads, dtypes))
+  if accumulator:
+    _, _, panels, rows, _ = accumulator
+    cols = p["head_dim"] // panels  # each panel's columns, then the pitch's padding
+    dq = dq[..., :cols].transpose(0, 3, 1, 2, 4).reshape(B, rows, N, panels * cols)[:, :T]
+  return tuple(g[..., :H].astype(dt) for g, dt in zip((dq, dk, dv), dtypes))
 
 
 # --- compiling ahead of time ---------------------------------------------------------

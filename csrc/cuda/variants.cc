@@ -164,6 +164,12 @@ KernelVariant KernelVariant::FromKey(int64_t key) {
   return v;
 }
 
+std::vector<int64_t> DqAccumulatorDims(const KernelVariant& v, int64_t B, int64_t T, int64_t N) {
+  if (v.backward != 2) return {};
+  return {B, N, fa_wgmma_backward_dq_panels(v.head_dim), fa_wgmma_backward_dq_rows(T),
+          fa_wgmma_backward_dq_pitch(v.head_dim)};
+}
+
 std::string PlanCall(int kernel_sm, const CallShape& c, CallPlan* plan) {
   if (kernel_sm != 70 && kernel_sm != 75 && kernel_sm != 80 && kernel_sm != 90) {
     return "no CUDA kernel sm" + std::to_string(kernel_sm);

@@ -97,6 +97,12 @@ struct CallPlan {
   bool fold_heads = false;
 };
 
+// The dims of the gradient buffer dq of a backward variant `v` that adds dQ
+// by atomics (v.backward == 2): float32 (B, N, panels, rows, pitch) as
+// fa_wgmma_backward_dq_rows lays it out; empty for the other variants, whose
+// dq is as the query.
+std::vector<int64_t> DqAccumulatorDims(const KernelVariant& v, int64_t B, int64_t T, int64_t N);
+
 // The plan for `shape` on kernel `kernel_sm` ("" on success, else why the
 // kernels cannot serve it).
 std::string PlanCall(int kernel_sm, const CallShape& shape, CallPlan* plan);

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda/driver.h"
 #include "cuda/kernel_cache.h"
@@ -277,21 +278,26 @@ ffi::Error InitializeImpl(cu::CUstream stream, SiteState* site, ffi::AnyBuffer q
 }
 
 // The backward's buffers: d_out and the gradients as query, key and value
-// (CheckCall's rules, with dq in out's place; dq float32 where the variant
-// adds it by atomics), lse, delta and magnitude (B, T, N).
+// (CheckCall's rules, with d_out in out's place; dq float32 of
+// cu::DqAccumulatorDims where the variant adds it by atomics), lse, delta and
+// magnitude (B, T, N).
 ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
                          ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::F32> magnitude,
                          ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                          ffi::AnyBuffer dv, fastattn::QkvDims* d) {
   const bool atomic = site.variant.backward == 2;
-  if (auto err = CheckCall(site, q, k, v, dq, d, nullptr, nullptr, nullptr, dk.element_type());
+  if (auto err = CheckCall(site, q, k, v, d_out, d, nullptr, nullptr, nullptr, dk.element_type());
       err.failure()) {
     return err;
   }
   const int64_t rows = d->B * d->T * d->N;
+  const std::vector<int64_t> dq_dims =
+      atomic ? cu::DqAccumulatorDims(site.variant, d->B, d->T, d->N)
+             : std::vector<int64_t>(q.dimensions().begin(), q.dimensions().end());
   if (d_out.element_type() != q.element_type() ||
-      d_out.element_count() != q.element_count() ||
+      !std::equal(dq.dimensions().begin(), dq.dimensions().end(), dq_dims.begin(),
+                  dq_dims.end()) ||
       dq.element_type() != (atomic ? ffi::DataType::F32 : dk.element_type()) ||
       dv.element_type() != dk.element_type() || dk.element_count() != k.element_count() ||
       dv.element_count() != v.element_count() ||
@@ -300,8 +306,10 @@ ffi::Error CheckBackward(const SiteState& site, ffi::AnyBuffer q, ffi::AnyBuffer
       static_cast<int64_t>(magnitude.element_count()) != rows) {
     return ffi::Error::InvalidArgument(
         "CUDA attention backward: d_out must be as query, dk and dv as key and value in the "
-        "output dtype, dq in it too (float32 for the atomic-dQ variant), lse, delta and "
-        "magnitude (B, T, N)");
+        "output dtype, " +
+        (atomic ? "dq float32 " + fastattn::DimsString(dq_dims)
+                : std::string("dq as query in it too")) +
+        ", lse, delta and magnitude (B, T, N)");
   }
   return ffi::Error::Success();
 }

@@ -128,6 +128,7 @@ __device__ __forceinline__ void zero(float (&acc)[kNo][4]) {
 constexpr bool kDqByRows = kStep == 128;
 constexpr int kDqCols = fa_wgmma_backward_dq_cols(kH);
 constexpr int kNq = kDqCols / 8;  // n8 blocks of a warpgroup's dQ columns
+static_assert(kDqCols == 64, "dQ's panels (fa_wgmma_backward_dq_panels) are a warpgroup's columns");
 
 // Stores this warp's dS^T fragments (packed A operands: rows kr and kr + 8
 // of the block's keys, query columns 16 kk + 2 t4 (+ 8)) into the swizzled
@@ -169,26 +170,37 @@ __device__ __forceinline__ void product_dq(float (&acc)[kNq][4], unsigned ds, un
 }
 
 // dQ goes out through shared memory: each warp stages its 16 rows of acc
-// (times scale) at sdq, kDqPitch floats apart, and 16 of its lanes add one
-// row each into the float32 dQ with a bulk reduction (cp.reduce.async.bulk,
-// the copy engine's add), so the warps' registers are free again as soon as
-// the stores are, where per-thread atomics held them until the memory system
-// took each one. The pitch (fa_wgmma_backward_dq_pitch) puts 8 consecutive
-// rows in 2 wavefronts of stores and keeps rows 16-byte aligned.
+// (times scale) at sdq, kDqPitch floats apart, and its lane 0 adds them into
+// the float32 dQ with one bulk reduction (cp.reduce.async.bulk, the copy
+// engine's add) of all 16 rows with their pitch: dQ has the staging's layout
+// (fa_wgmma_backward_dq_rows), so the rows are contiguous there too. The
+// warps' registers are free again as soon as the stores are, where
+// per-thread atomics held them until the memory system took each one, and
+// the warp issues one reduction, where one per row took a loop of 16 (the
+// operands of a bulk copy are uniform registers). The pitch
+// (fa_wgmma_backward_dq_pitch) puts 8 consecutive rows in 2 wavefronts of
+// stores and keeps rows 16-byte aligned; the 8 floats past a row's 64 are
+// zeros (zero_dq_pitch), added into columns the caller drops.
 
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
-// Stages this warp's rows (row0 + r, r < 16, of head n, those below q_len;
-// columns col0 .. col0 + kDqCols, those below H) and adds them into dQ.
-// The previous call's reductions must have read sdq: its lanes wait first.
-__device__ __forceinline__ void add_dq(const FaGradParams& p, int b, int n, int row0, int q_len,
-                                       int col0, unsigned sdq, int lane,
-                                       const float (&acc)[kNq][4]) {
+// Zeros this warp's staging past each row's kDqCols floats, once.
+__device__ __forceinline__ void zero_dq_pitch(unsigned sdq, int lane) {
+  static_assert(kDqPitch - kDqCols == 8, "two lanes of 4 floats per row");
+  const unsigned at = sdq + ((lane >> 1) * kDqPitch + kDqCols + 4 * (lane & 1)) * 4;
+  asm volatile("st.shared.v4.f32 [%0], {%1, %1, %1, %1};" ::"r"(at), "f"(0.f) : "memory");
+}
+
+// Stages this warp's rows (row0 + r, r < 16, of head n; panel col0 / kDqCols)
+// and adds them into dQ. The previous call's reduction must have read sdq:
+// lane 0 waits first.
+__device__ __forceinline__ void add_dq(const FaGradParams& p, int b, int n, int row0, int col0,
+                                       unsigned sdq, int lane, const float (&acc)[kNq][4]) {
   const int g = lane >> 2, t4 = lane & 3;
   const float scale = p.rules.scale;
-  if (lane < 16) bulk_wait_read();
+  if (lane == 0) bulk_wait_read();
   __syncwarp();
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -200,14 +212,16 @@ __device__ __forceinline__ void add_dq(const FaGradParams& p, int b, int n, int 
     }
   fence_async_smem();
   __syncwarp();
-  const int cols = min(kDqCols, p.H - col0);
-  if (lane < 16 && row0 + lane < q_len && cols > 0) {
-    float* const at = static_cast<float*>(p.dq) + fa_at(p.out_stride, b, row0 + lane, n) + col0;
+  if (lane == 0) {
+    const long long rows = fa_wgmma_backward_dq_rows(p.T);
+    const long long panel =
+        (static_cast<long long>(b) * p.N + n) * fa_wgmma_backward_dq_panels(kH) + col0 / kDqCols;
+    float* const at = static_cast<float*>(p.dq) + (panel * rows + row0) * kDqPitch;
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(at),
-                 "r"(sdq + lane * kDqPitch * 4), "r"(cols * 4)
+                 "r"(sdq), "r"(16 * kDqPitch * 4)
                  : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
-  if (lane < 16) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 #endif
 
@@ -304,9 +318,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   };
   auto finish_dq = [&](float(&dq)[kNq][4]) {  // after the wait for dQ's product
     reg_fence<kNq * 4>(&dq[0][0]);
-    add_dq(p, b, n_dq, i_dq + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16, q_len,
+    add_dq(p, b, n_dq, i_dq + (kDqByRows ? wg * 64 : 0) + (warp & 3) * 16,
            kDqByRows ? 0 : wg * kDqCols, sdq, lane, dq);
   };
+  zero_dq_pitch(sdq, lane);
 #endif
   int u = 0;
   for (; n < n_end; ++u, advance(n, i0)) {
@@ -394,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wg_wait<0>();
     finish_dq(dq);
   }
-  if (lane < 16) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before shared memory goes
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before shared memory goes
 #endif
   fa_write_grad_rows(p.dk, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, p.rules.scale, dk);
   fa_write_grad_rows(p.dv, p.dkv_stride, b, kvh, wk0 + g, 0, p.S, p.H, t4, 1.f, dv);

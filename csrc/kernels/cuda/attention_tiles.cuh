@@ -317,6 +317,14 @@ FA_TILE_FN int fa_wgmma_backward_dq_pitch(int h) { return fa_wgmma_backward_dq_c
 FA_TILE_FN int fa_wgmma_backward_dq_stage_bytes(int h) {
   return 128 * fa_wgmma_backward_dq_pitch(h) * 4;
 }
+// The float32 dQ that atomic dQ adds into: (B, N, panels, rows, pitch), the
+// columns in panels of fa_wgmma_backward_dq_cols (64 at both head dims), each
+// panel's query rows rounded up to 128 (a step's rows are there even past T)
+// at the staging's pitch, so that a warp's 16 staged rows are one contiguous
+// bulk reduction; the caller takes dQ out of it (columns below the pitch's 64,
+// rows below T).
+FA_TILE_FN int fa_wgmma_backward_dq_panels(int h) { return h / fa_wgmma_backward_dq_cols(h); }
+FA_TILE_FN long long fa_wgmma_backward_dq_rows(long long t) { return (t + 127) / 128 * 128; }
 
 // The backward kernels' tile: Br query rows per fa_backward_dq block, Bc
 // keys per fa_backward_dkdv block, 4 warps, shared memory for the
