@@ -63,15 +63,26 @@ constexpr int kDqStageBytes = fa_wgmma_backward_dq_stage_bytes(kH);
 static_assert(kStep == 64 || kStep == 128, "dS^T rows of one or two 128-byte panels");
 
 // A tile of ROWS rows of a (B, L, heads, H) array, from row `row` of `head`
-// (rows at or past `valid` load as zeros), into its swizzled panels at dst.
+// (rows at or past `valid` and columns past H load as zeros), into its
+// swizzled panels at dst, by cp.async. Every tile of the backward comes this
+// way, so unlike the forward's tile_async (one tile per work block) a
+// producer thread keeps one 16-byte chunk column and steps kLoaders / kChunks
+// rows a pass, with 32-bit offsets: no division or 64-bit product per chunk.
 template <int ROWS>
 __device__ __forceinline__ void load_tile(unsigned dst, const void* base,
                                           const long long (&stride)[3], int b, int row,
                                           int head, int valid, int H, int ltid) {
-  tile_async<ROWS>(dst, FaTileSrc{static_cast<const unsigned short*>(base) +
-                                      fa_at(stride, b, row, head),
-                                  stride[1], valid - row, H},
-                   ltid);
+  constexpr int kRowStep = kLoaders / kChunks;
+  static_assert(kLoaders % kChunks == 0 && ROWS % kRowStep == 0, "whole passes of the loaders");
+  const unsigned short* src = static_cast<const unsigned short*>(base) + fa_at(stride, b, row, head);
+  const int ch = ltid % kChunks, ld = static_cast<int>(stride[1]), rows = valid - row;
+  const bool col_ok = ch * 8 < H;
+  int at = (ltid / kChunks) * ld + ch * 8;  // elements past src
+#pragma unroll 1
+  for (int r = ltid / kChunks; r < ROWS; r += kRowStep, at += kRowStep * ld) {
+    const bool ok = col_ok && r < rows;
+    fa_cp_async16(dst + swz(ROWS, r, ch), src + (ok ? at : 0), ok);
+  }
 }
 
 // ROWS rows' LSE (lse_of: +inf past the query length), D and
@@ -96,12 +107,15 @@ __device__ __forceinline__ void load_scalars(float* lse, const FaGradParams& p, 
 template <int kARows>
 __device__ __forceinline__ void two_products(unsigned a, unsigned ad, unsigned bb, unsigned bd,
                                              int wg, float (&c)[kNs][4], float (&d)[kNs][4]) {
+  const unsigned long long da = desc(a + wg * 64 * 128, 16, 1024);
+  const unsigned long long dad = desc(ad + wg * 64 * 128, 16, 1024);
+  const unsigned long long db = desc(bb, 16, 1024), dbd = desc(bd, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < kH / 16; ++kk) {
-    const unsigned ao = (kk >> 2) * kARows * 128 + wg * 64 * 128 + (kk & 3) * 32;
+    const unsigned ao = (kk >> 2) * kARows * 128 + (kk & 3) * 32;
     const unsigned bo = (kk >> 2) * kStep * 128 + (kk & 3) * 32;
-    wgmma_ss<kStep>(&c[0][0], desc(a + ao, 16, 1024), desc(bb + bo, 16, 1024), kk > 0);
-    wgmma_ss<kStep>(&d[0][0], desc(ad + ao, 16, 1024), desc(bd + bo, 16, 1024), kk > 0);
+    wgmma_ss<kStep>(&c[0][0], desc_at(da, ao), desc_at(db, bo), kk > 0);
+    wgmma_ss<kStep>(&d[0][0], desc_at(dad, ao), desc_at(dbd, bo), kk > 0);
   }
   wg_commit();
 }
@@ -111,10 +125,9 @@ __device__ __forceinline__ void two_products(unsigned a, unsigned ad, unsigned b
 // bytes; 64-column panels kStep * 128 bytes apart.
 __device__ __forceinline__ void product_rs(float (&acc)[kNo][4], const unsigned (&a)[kStep / 16][4],
                                            unsigned bb) {
+  const unsigned long long db = desc(bb, kStep * 128, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kStep / 16; ++kk) {
-    wgmma_rs<kH>(&acc[0][0], a[kk], desc(bb + kk * 2048, kStep * 128, 1024));
-  }
+  for (int kk = 0; kk < kStep / 16; ++kk) wgmma_rs<kH>(&acc[0][0], a[kk], desc_at(db, kk * 2048));
 }
 
 __device__ __forceinline__ void zero(float (&acc)[kNo][4]) {
@@ -147,10 +160,12 @@ __device__ __forceinline__ void store_ds(unsigned ds, int kr, int t4, const unsi
 // acc += dS^T Q: A this warpgroup's 64 key rows of the dS^T tile at ds
 // (K-major: kStep queries per row), B the step's Q tile at sq read N-major.
 __device__ __forceinline__ void product_dk(float (&acc)[kNo][4], unsigned ds, unsigned sq, int wg) {
+  const unsigned long long da = desc(ds + wg * 64 * 128, 16, 1024);
+  const unsigned long long db = desc(sq, kStep * 128, 1024);
 #pragma unroll
   for (int kk = 0; kk < kStep / 16; ++kk) {
-    const unsigned a = ds + (kk >> 2) * kBc * 128 + wg * 64 * 128 + (kk & 3) * 32;
-    wgmma_ss<kH, 0, 1>(&acc[0][0], desc(a, 16, 1024), desc(sq + kk * 2048, kStep * 128, 1024), 1);
+    wgmma_ss<kH, 0, 1>(&acc[0][0], desc_at(da, (kk >> 2) * kBc * 128 + (kk & 3) * 32),
+                       desc_at(db, kk * 2048), 1);
   }
 }
 
@@ -162,10 +177,10 @@ __device__ __forceinline__ void product_dq(float (&acc)[kNq][4], unsigned ds, un
   const int col = kDqByRows ? 0 : wg * kDqCols;  // first dQ column of this warpgroup
   const unsigned a0 = ds + (kDqByRows ? wg * kBc * 128 : 0);
   const unsigned b0 = sk + (col / 64) * kBc * 128 + (col % 64) * 2;
+  const unsigned long long da = desc(a0, kBc * 128, 1024), db = desc(b0, kBc * 128, 1024);
 #pragma unroll
   for (int kk = 0; kk < kBc / 16; ++kk) {
-    wgmma_ss<kDqCols, 1, 1>(&acc[0][0], desc(a0 + kk * 2048, kBc * 128, 1024),
-                            desc(b0 + kk * 2048, kBc * 128, 1024), kk > 0);
+    wgmma_ss<kDqCols, 1, 1>(&acc[0][0], desc_at(da, kk * 2048), desc_at(db, kk * 2048), kk > 0);
   }
 }
 
@@ -232,7 +247,9 @@ extern "C" __constant__ int fa_params_bytes = sizeof(FaGradParams);
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     fa_backward_dkdv(const FaGradParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  // warp and wg from lane 0: warp-uniform to the compiler, so that shared
+  // memory descriptors built from them stay in uniform registers.
+  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(~0u, tid >> 5, 0), wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
   const FaKeyBlock blk = fa_key_block(p, kBc, blockIdx.x);
   const int b = blk.b, kvh = blk.kvh, j0 = blk.j0, q_len = blk.q_len, kv_len = blk.kv_len;

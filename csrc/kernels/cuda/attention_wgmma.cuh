@@ -36,6 +36,12 @@ __device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo,
          ((unsigned long long)(lbo >> 4) << 16) |
          ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
+// desc(addr + offset, lbo, sbo) from d = desc(addr, lbo, sbo): offset a
+// multiple of 16 bytes, addr + offset inside shared memory (below 2^18, so
+// the address field takes it without a carry).
+__device__ __forceinline__ unsigned long long desc_at(unsigned long long d, unsigned offset) {
+  return d + (offset >> 4);
+}
 
 // The producer's cp.async copy of a tile into its swizzled panels (the tile
 // that crosses kv_len): 16-byte chunks, chunk c of the tile to thread
