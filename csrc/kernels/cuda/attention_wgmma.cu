@@ -55,6 +55,23 @@ static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64, "tile");
 // its registers would spill.
 constexpr bool kLeanSoftmax = !FA_EXTRAS && kH == 128;
 
+// The producer's cp.async copy of a tile into its swizzled panels (the tile
+// that crosses kv_len): 16-byte chunks, chunk c of the tile to thread
+// c % 128; rows past rows_valid become zeros. Not unrolled: the producer runs
+// on few registers (the backward's load_tile, which keeps a chunk column and
+// steps rows, spills here).
+template <int ROWS>
+__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
+                                           int tid) {
+#pragma unroll 1
+  for (int c = tid; c < ROWS * kChunks; c += kLoaders) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
+    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
+    fa_cp_async16(dst + swz(ROWS, r, ch), src, ok);
+  }
+}
+
 // TMA load of the box at coordinates (c0, c1, c2, c3) of `map` (innermost
 // first) into dst; its bytes complete the transaction count of `bar`.
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const FaTensorMap& map, int c0, int c1,

@@ -43,22 +43,6 @@ __device__ __forceinline__ unsigned long long desc_at(unsigned long long d, unsi
   return d + (offset >> 4);
 }
 
-// The producer's cp.async copy of a tile into its swizzled panels (the tile
-// that crosses kv_len): 16-byte chunks, chunk c of the tile to thread
-// c % 128; rows past rows_valid become zeros. Not unrolled: the producer runs
-// on few registers.
-template <int ROWS>
-__device__ __forceinline__ void tile_async(unsigned dst, const FaTileSrc& s,
-                                           int tid) {
-#pragma unroll 1
-  for (int c = tid; c < ROWS * kChunks; c += kLoaders) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < s.rows_valid && ch * 8 < s.cols;
-    const unsigned short* src = s.base + (ok ? r * (int)s.ld + ch * 8 : 0);
-    fa_cp_async16(dst + swz(ROWS, r, ch), src, ok);
-  }
-}
-
 __device__ __forceinline__ void wg_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
