@@ -124,10 +124,12 @@ def test_hidden_nonfinite_key_reaches_no_gradient_of_rows_that_do_not_see_it(
 
 # --- large logits: the backward's P is the forward's ----------------------------
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("magnitude", [1e3, 1e4, 1e5])
 @pytest.mark.parametrize("setting", ["window_0", "one_key", "causal", "few_rows", "cap_bias"])
-def test_large_logits_single_visible_key(setting, magnitude, rng, impl):
-  """|scale q.k| ~ magnitude. window_0: every row sees only its own key;
+def test_large_logits_single_visible_key(setting, magnitude, head_dim, rng, impl):
+  """|scale q.k| ~ magnitude, at each kernel-90 head dim (its softmax builds
+  differ by H). window_0: every row sees only its own key;
   one_key: key length 1; causal: row 0 sees key 0 only; few_rows: window_0
   with T = S = 3 and 2 query heads per key head (6 rows per key head: the
   decode paths, the CPU's with the head dim in the vector lanes, whose logits
@@ -136,9 +138,9 @@ def test_large_logits_single_visible_key(setting, magnitude, rng, impl):
   window_0 with a soft cap of the magnitude and a bias. On such a row P = 1,
   so its dQ is 0, and so is dK of a key that only such rows see; dV = dO."""
   T_ = 3 if setting == "few_rows" else 70
-  q, k, v = tu.qkv(rng, 2, T_, T_, 2, 1, 64)
+  q, k, v = tu.qkv(rng, 2, T_, T_, 2, 1, head_dim)
   d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-  opts = dict(scale=magnitude / 8)
+  opts = dict(scale=magnitude / np.sqrt(head_dim))
   bias = None
   if setting == "cap_bias":
     opts["logits_soft_cap"] = magnitude

@@ -214,28 +214,39 @@ __device__ __forceinline__ void fa_alibi_rows_end(const FaParams& p, float (&m)[
 }
 #endif
 
+// How fa_softmax_probs computes a tile's weights (one ex2 per logit in all):
+//   kSubMul  2^((x - m) to_log2), fa_weight: a subtraction and a
+//            multiplication, exact where x = m (2^0 = 1), as the backward's
+//            P = 2^((x - LSE) log2 e) needs of the forward it follows
+//            (design.md). Kernels 75 and 80 (with the fma, kernel 80's
+//            H = 128 build spills: NVRTC 12.9, sm_80), the decode kernel, and
+//            kernel 90's float32-out builds.
+//   kFma     2^(x to_log2 - m to_log2), m to_log2 rounded once per row and
+//            shared by its weights and rescale: one fma, but the top logit's
+//            weight is 2^d, d that rounding (up to 2^-24 |m to_log2|). Kernel
+//            90's 16-bit-out builds: faster at H = 64 (H100, performance.md).
+//   kLean    kFma with the maximum and the sum in kAcc independent chains,
+//            so that a warp has kAcc instructions to issue where one chain
+//            would wait out each one's latency, and a stale maximum (below)
+//            (kernel 90 at H = 128 without extras, 16-bit out)
+enum class FaSoftmax { kSubMul, kFma, kLean };
+
 // The probabilities of one online-softmax step for rows row0 and row0 + 8
 // over the key tile at n0: turns the Q K^T accumulators s into probabilities
-// (one ex2 per logit, fa_weight), updates the row maximum m and partial sum
-// l, and returns in alpha the factor the output rows must be rescaled by
-// (fa_rescale_rows), and whether they must (false: alpha is 1). Variants
-// without extras (FA_EXTRAS 0) keep unscaled logits and maxima, units
-// fa_units(scale); those with extras map each visible logit through
-// fa_extras_logit first, units fa_units(1) (attention_common.cuh's FaUnits).
-// Params: the kernel's parameters (the decode kernel's, which has no extras,
-// too).
-template <int kNs, class Params, bool kLean = false>
+// (FaSoftmax), updates the row maximum m and partial sum l, and returns in
+// alpha the factor the output rows must be rescaled by (fa_rescale_rows),
+// and whether they must (false: alpha is 1). Variants without extras
+// (FA_EXTRAS 0) keep unscaled logits and maxima, units fa_units(scale);
+// those with extras map each visible logit through fa_extras_logit first,
+// units fa_units(1) (attention_common.cuh's FaUnits). Params: the kernel's
+// parameters (the decode kernel's, which has no extras, too).
+template <int kNs, class Params, FaSoftmax kForm = FaSoftmax::kSubMul>
 __device__ __forceinline__ bool fa_softmax_probs(const Params& p, float (&s)[kNs][4],
                                                  float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], int b, int n, int row0,
                                                  int n0, int t4, const FaUnits& u) {
-  // kLean (kernel 90 at H = 128 without extras: attention_wgmma.cu's
-  // kLeanSoftmax) takes the maximum and the sum in kAcc independent chains,
-  // so that its warps have kAcc instructions to issue where one chain would
-  // wait out each one's latency, and each weight in one fma and one ex2,
-  // 2^(x to_log2 - m to_log2), its rescale from the same rounded m to_log2
-  // (every tile's probabilities share one reference); and it keeps a stale
-  // maximum (below).
+  constexpr bool kLean = kForm == FaSoftmax::kLean;
+  constexpr bool kFma = kForm != FaSoftmax::kSubMul;
   constexpr int kAcc = kLean ? 4 : 1;
   float m_new[2] = {m[0], m[1]};  // grown below by the tile's row maxima
   // Row h's weights against its maximum (move) or the reference kept (not).
@@ -245,7 +256,7 @@ __device__ __forceinline__ bool fa_softmax_probs(const Params& p, float (&s)[kNs
     // rather than -inf so they give 0, not NaN.
     const float m_use = m_ref == FA_NEG_INF ? 0.f : m_ref;
     const float m_log2 = m_use * u.to_log2;
-    alpha[h] = kLean ? fa_ex2(m[h] * u.to_log2 - m_log2) : fa_weight(m[h], m_use, u.to_log2);
+    alpha[h] = kFma ? fa_ex2(m[h] * u.to_log2 - m_log2) : fa_weight(m[h], m_use, u.to_log2);
     m[h] = m_ref;
     float sum[kAcc] = {};
 #pragma unroll
@@ -254,7 +265,7 @@ __device__ __forceinline__ bool fa_softmax_probs(const Params& p, float (&s)[kNs
       for (int e = 0; e < 2; ++e) {
         const float x = s[nt][2 * h + e];
         const float pe =
-            kLean ? fa_ex2(fmaf(x, u.to_log2, -m_log2)) : fa_weight(x, m_use, u.to_log2);
+            kFma ? fa_ex2(fmaf(x, u.to_log2, -m_log2)) : fa_weight(x, m_use, u.to_log2);
         s[nt][2 * h + e] = pe;
         sum[(2 * nt + e) % kAcc] += pe;
       }

@@ -50,10 +50,16 @@ constexpr int kKVBytes = kBc * kH * 2;
 constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
 static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64, "tile");
-// fa_softmax_probs's lean softmax at H = 128 without extras: measured
-// faster there (H100, docs/performance.md), slower at H = 64; with extras
-// its registers would spill.
-constexpr bool kLeanSoftmax = !FA_EXTRAS && kH == 128;
+// fa_softmax_probs's weights by fma, and the lean softmax at H = 128 without
+// extras (measured faster there, slower at H = 64; with extras its registers
+// would spill: H100, docs/performance.md); but the exact form in the
+// float32-out builds. Those serve the VJP's forward, whose P the backward
+// recomputes from the LSE, exactly 1 where the forward's was (design.md), and
+// float32 callers; the fma form gives a row's top logit the weight 2^d, d
+// the rounding of m to_log2, not 1.
+constexpr FaSoftmax kSoftmax = FA_OUT_DTYPE == FA_F32    ? FaSoftmax::kSubMul
+                               : !FA_EXTRAS && kH == 128 ? FaSoftmax::kLean
+                                                         : FaSoftmax::kFma;
 
 // The producer's cp.async copy of a tile into its swizzled panels (the tile
 // that crosses kv_len): 16-byte chunks, chunk c of the tile to thread
@@ -242,8 +248,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       fa_feature_terms(p, s, b, n, w0 + g, n0, t4,
                        fa_segment_whole(p.features, p.T, p.S, b, w0, w1, n0, n0 + kBc), alibi);
 #endif
-      return fa_softmax_probs<kNs, FaParams, kLeanSoftmax>(p, s, row_m, row_l, alpha, b, n,
-                                                           w0 + g, n0, t4, units);
+      return fa_softmax_probs<kNs, FaParams, kSoftmax>(p, s, row_m, row_l, alpha, b, n, w0 + g,
+                                                       n0, t4, units);
     };
 
     if (blk.t_end > blk.t_begin) {
