@@ -214,21 +214,19 @@ __device__ __forceinline__ void fa_alibi_rows_end(const FaParams& p, float (&m)[
 }
 #endif
 
-// How fa_softmax_probs computes a tile's weights (one ex2 per logit in all):
+// How fa_softmax_probs computes a tile's weights (one ex2 per logit in all;
+// kernel 90 picks one per build, attention_wgmma.cu's kSoftmax):
 //   kSubMul  2^((x - m) to_log2), fa_weight: a subtraction and a
 //            multiplication, exact where x = m (2^0 = 1), as the backward's
 //            P = 2^((x - LSE) log2 e) needs of the forward it follows
-//            (design.md). Kernels 75 and 80 (with the fma, kernel 80's
-//            H = 128 build spills: NVRTC 12.9, sm_80), the decode kernel, and
-//            kernel 90's float32-out builds.
+//            (design.md). The default (with the fma, kernel 80's H = 128
+//            build spills: NVRTC 12.9, sm_80).
 //   kFma     2^(x to_log2 - m to_log2), m to_log2 rounded once per row and
 //            shared by its weights and rescale: one fma, but the top logit's
-//            weight is 2^d, d that rounding (up to 2^-24 |m to_log2|). Kernel
-//            90's 16-bit-out builds: faster at H = 64 (H100, performance.md).
+//            weight is 2^d, d that rounding (up to 2^-24 |m to_log2|).
 //   kLean    kFma with the maximum and the sum in kAcc independent chains,
 //            so that a warp has kAcc instructions to issue where one chain
-//            would wait out each one's latency, and a stale maximum (below)
-//            (kernel 90 at H = 128 without extras, 16-bit out)
+//            would wait out each one's latency, and a stale maximum (below).
 enum class FaSoftmax { kSubMul, kFma, kLean };
 
 // The probabilities of one online-softmax step for rows row0 and row0 + 8

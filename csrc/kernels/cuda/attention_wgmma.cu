@@ -50,13 +50,11 @@ constexpr int kKVBytes = kBc * kH * 2;
 constexpr int kNs = kBc / 8;  // n8 blocks of S
 constexpr int kNo = kH / 8;   // n8 blocks of O
 static_assert(kThreads == (kWG + 1) * 128 && kBr == kWG * 64, "tile");
-// fa_softmax_probs's weights by fma, and the lean softmax at H = 128 without
-// extras (measured faster there, slower at H = 64; with extras its registers
-// would spill: H100, docs/performance.md); but the exact form in the
-// float32-out builds. Those serve the VJP's forward, whose P the backward
-// recomputes from the LSE, exactly 1 where the forward's was (design.md), and
-// float32 callers; the fma form gives a row's top logit the weight 2^d, d
-// the rounding of m to_log2, not 1.
+// fa_softmax_probs's weights by fma (3-7% faster at H = 64), and the lean
+// softmax at H = 128 without extras (faster there, slower at H = 64; with
+// extras its registers would spill: H100, docs/performance.md); but the
+// exact form in the float32-out builds, which serve the VJP's forward (whose
+// P the backward recomputes from the LSE) and float32 callers.
 constexpr FaSoftmax kSoftmax = FA_OUT_DTYPE == FA_F32    ? FaSoftmax::kSubMul
                                : !FA_EXTRAS && kH == 128 ? FaSoftmax::kLean
                                                          : FaSoftmax::kFma;
