@@ -311,7 +311,8 @@ def test_forward_writes_float32_out_of_16bit_inputs(dtype, shape, rng, impl):
       backends.fused_call, path, dataclasses.replace(config, float32_out=True)))(q, k, v)
   assert out16.dtype == q.dtype and out32.dtype == jnp.float32
   out16 = np.asarray(out16)
-  up, down = (np.nextafter(out16, np.array(inf, out16.dtype)).astype(np.float32) for inf in (np.inf, -np.inf))
+  up = np.nextafter(out16, np.array(np.inf, out16.dtype)).astype(np.float32)
+  down = np.nextafter(out16, np.array(-np.inf, out16.dtype)).astype(np.float32)
   out16 = out16.astype(np.float32)
   half_ulp = 0.5 * np.maximum(up - out16, out16 - down)  # the wider side at a power of 2
   # + the float32 sums' difference, relative to out and to v (|v| < 8).
