@@ -13,5 +13,15 @@ set(CMAKE_CXX_COMPILER "$ENV{ZIG}" c++ -target ${_target})
 # zig's cc and c++ add DWARF debug info by default, which CMake's Release build
 # does not ask for and the wheel's link drops: -g0 leaves the machine code as it
 # is and spends a third less time on the slowest file (the AVX-512 CPU kernel).
-set(CMAKE_C_FLAGS_INIT "-g0")
-set(CMAKE_CXX_FLAGS_INIT "-g0")
+#
+# zig builds its libc++ (and libc stubs, compiler-rt) into its cache at the
+# first link of each variant: optimized or not, stripped or not. The
+# extension's link is optimized and stripped (nanobind strips a Release
+# module), so configure's test programs are linked so too (-O2, -Wl,-s):
+# then a cold cache builds that variant once, at configure, not a second one
+# at the end (50 s on a 2-core machine; CMake's compiler identification, which
+# takes no flags, still links an unoptimized one). Release builds still
+# compile at -O3.
+set(CMAKE_C_FLAGS_INIT "-g0 -O2")
+set(CMAKE_CXX_FLAGS_INIT "-g0 -O2")
+set(CMAKE_EXE_LINKER_FLAGS_INIT "-Wl,-s")
