@@ -36,10 +36,11 @@ demo: $(VENV)/.installed-demo
 	  --prompt "Write a haiku about the sea."
 
 # The suite, its CPU numerics against the Bazel build, and the wheel installed
-# outside the checkout.
+# outside the checkout. The notebooks, among the longest items, go first, so
+# that short tests, not a notebook on one worker, end the run.
 test: $(VENV)/.installed-test
 	$(PY) -m fastattn_jax.ascend fetch || echo "no PTO-ISA headers: the ascend_sim tests skip"
-	$(VENV)/bin/pytest -n 2 --slow --durations=15 --nbmake tests notebooks
+	$(VENV)/bin/pytest -n 2 --slow --durations=15 --nbmake notebooks tests
 	$(MAKE) bazel-test
 	$(MAKE) wheel-test
 
