@@ -77,6 +77,37 @@ def test_head_dim_over_256_refused_on_cuda_path(rng):
     jax.jit(lambda q: fast_attention(q, q, q, implementation="cuda_sm75")).lower(q)
 
 
+#: Kernel 90's persistent blocks each walk several work blocks here (over 132
+#: on an H100, whose grid is one wave): one work block's last P V and O beside
+#: the next one's Q and first S. Work blocks with no keys (rows past a query
+#: length, a zero length) sit between others; float32 inputs take the
+#: float32-out build; H = 128 without extras and H = 256 keep one Q tile
+#: (fa_wgmma_q_buffers), the others two.
+WALK_CASES = {
+    "causal-lengths": dict(B=3, T=1100, S=1100, N=16, K=4, H=64, dtype="bfloat16",
+                           opts=dict(is_causal=True, query_seq_lengths=(1100, 300, 0),
+                                     key_value_seq_lengths=(1100, 1000, 517))),
+    "plain": dict(B=2, T=1000, S=1300, N=16, K=16, H=128, dtype="float16", opts={}),
+    "window-bias": dict(B=2, T=600, S=700, N=16, K=8, H=64, dtype="bfloat16",
+                        opts=dict(local_window_size=(200, 0), bias=True)),
+    "float32": dict(B=2, T=700, S=700, N=16, K=2, H=128, dtype="float32",
+                    opts=dict(is_causal=True)),
+    "h256": dict(B=2, T=900, S=900, N=16, K=16, H=256, dtype="bfloat16",
+                 opts=dict(is_causal=True, query_seq_lengths=(900, 250))),
+}
+
+
+@pytest.mark.parametrize("case", list(WALK_CASES))
+def test_cuda_sm90_blocks_walk_several_work_blocks(rng, case):
+  _runnable("cuda_sm90")
+  c = dict(WALK_CASES[case])
+  opts = dict(c["opts"])
+  q, k, v = tu.qkv(rng, c["B"], c["T"], c["S"], c["N"], c["K"], c["H"], tu.DTYPES[c["dtype"]])
+  bias = tu.random_bias(rng, (c["B"], c["N"], c["T"], c["S"])) if opts.pop("bias", False) else None
+  opts = {k_: (tu.lengths(v_) if k_.endswith("lengths") else v_) for k_, v_ in opts.items()}
+  tu.check_call(q, k, v, bias, implementation="cuda_sm90", **opts)
+
+
 def test_many_calls_in_one_loop(rng):
   """A scan of attention calls (command buffers / CUDA graphs capture the
   execute stage; kernels are loaded in the initialize stage)."""
