@@ -29,11 +29,14 @@ def spills(log: str) -> int:
 
 
 def serialized_wgmma(log: str) -> bool:
-  """Whether ptxas serialized a kernel's wgmma instructions (its note C7514:
-  an instruction between a wgmma's issue and its wait that it cannot prove
-  leaves the accumulators alone), which takes away every overlap of the
-  tensor cores with the rest of the kernel."""
-  return "C7514" in log
+  """Whether ptxas serialized a kernel's wgmma instructions, which takes away
+  every overlap of the tensor cores with the rest of the kernel: any of its
+  notes "Potential Performance Loss: wgmma.mma_async instructions are
+  serialized due to ..." (C7514: an instruction between a wgmma's issue and
+  its wait that it cannot prove leaves the accumulators alone; C7520: a
+  wait on one control-flow path for a wgmma issued on another; others
+  likewise). C7519, an arrive the compiler injected, is not one."""
+  return re.search(r"wgmma\.mma_async instructions are serialized", log) is not None
 
 
 def _csv(kind):
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
           print(f"note: {r['variant']} for {r['target']} spills registers "
                 f"({spills(r['log'])} bytes)")
         if serialized_wgmma(r["log"]):
-          print(f"note: {r['variant']} for {r['target']} runs its wgmma serialized (ptxas C7514)")
+          print(f"note: {r['variant']} for {r['target']} runs its wgmma serialized (ptxas)")
       except RuntimeError as err:
         failed.append(f"{_ffi.cuda_variant(key)['describe']} for compute capability {cc}: {err}")
       if sys.stderr.isatty():
