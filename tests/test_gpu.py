@@ -78,11 +78,11 @@ def test_head_dim_over_256_refused_on_cuda_path(rng):
 
 
 #: Kernel 90's persistent blocks each walk several work blocks here (over 132
-#: on an H100, whose grid is one wave): one work block's last P V and O beside
-#: the next one's Q and first S. Work blocks with no keys (rows past a query
-#: length, a zero length) sit between others; float32 inputs take the
-#: float32-out build; H = 128 without extras and H = 256 keep one Q tile
-#: (fa_wgmma_q_buffers), the others two.
+#: on an H100, whose grid is one wave), so the K/V ring, the Q tile and their
+#: phases carry from one work block to the next. Work blocks with no keys
+#: (rows past a query length, a zero length) sit between others; float32
+#: inputs take the float32-out build. ``check_case``'s grid cases, with
+#: ``dtype``.
 WALK_CASES = {
     "causal-lengths": dict(B=3, T=1100, S=1100, N=16, K=4, H=64, dtype="bfloat16",
                            opts=dict(is_causal=True, query_seq_lengths=(1100, 300, 0),
@@ -100,12 +100,7 @@ WALK_CASES = {
 @pytest.mark.parametrize("case", list(WALK_CASES))
 def test_cuda_sm90_blocks_walk_several_work_blocks(rng, case):
   _runnable("cuda_sm90")
-  c = dict(WALK_CASES[case])
-  opts = dict(c["opts"])
-  q, k, v = tu.qkv(rng, c["B"], c["T"], c["S"], c["N"], c["K"], c["H"], tu.DTYPES[c["dtype"]])
-  bias = tu.random_bias(rng, (c["B"], c["N"], c["T"], c["S"])) if opts.pop("bias", False) else None
-  opts = {k_: (tu.lengths(v_) if k_.endswith("lengths") else v_) for k_, v_ in opts.items()}
-  tu.check_call(q, k, v, bias, implementation="cuda_sm90", **opts)
+  tu.check_case(rng, WALK_CASES[case], WALK_CASES[case]["dtype"], "cuda_sm90")
 
 
 def test_many_calls_in_one_loop(rng):
